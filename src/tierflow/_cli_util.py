@@ -1,0 +1,85 @@
+"""Small pieces every CLI command shares: output, errors, progress, trace sources.
+
+Command modules (``cli.py``, ``capture/cli.py``, ``pool/cli.py``) import from here, never
+from each other. Rich is imported lazily so that ``import tierflow`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+
+def console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def print_json(obj: Any) -> None:
+    """One JSON document on stdout; ``inf`` becomes ``null`` so any parser reads it."""
+    sys.stdout.write(json.dumps(_finite(obj), indent=2) + "\n")
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+@contextmanager
+def progress(description: str, total: int, enabled: bool = True) -> Iterator[Any]:
+    """A transient progress bar on stderr (only on a terminal), yielding an
+    ``update(done)`` callable; work slower than a second should report through it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = console(stderr=True)
+    if not enabled or not err.is_terminal:
+        yield lambda done, total=total: None
+        return
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(), console=err, transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+
+        def update(done: int, total: int = total) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """A trace source: a file or G10 case directory, or ``--model NAME --batch B``."""
+    p.add_argument("trace", nargs="?", help="trace file (.json/.json.gz) or G10 case directory")
+    g = p.add_argument_group("built-in model instead of a trace file")
+    g.add_argument("--model", help="zoo model name (see 'tierflow capture --list')")
+    g.add_argument("--batch", type=int, default=None, help="batch size for --model")
+    g.add_argument("--seq", type=int, default=None, help="sequence length for --model (transformers)")
+    g.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="parameter/compute dtype for --model")
+
+
+def resolve_trace(args: argparse.Namespace, hardware: Any = None):
+    """The trace named on the command line, loaded or captured."""
+    from .errors import TraceError
+    from .trace import load_trace
+
+    if getattr(args, "model", None):
+        if args.trace:
+            raise TraceError("give either a trace path or --model, not both")
+        try:
+            from .capture import zoo_trace
+        except ImportError as e:  # the capture layer is optional until it lands
+            raise TraceError(f"--model needs tierflow.capture ({e})") from None
+        return zoo_trace(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, hardware=hardware)
+    if not args.trace:
+        raise TraceError("no trace given: pass a trace file, a G10 case directory, or --model NAME")
+    return load_trace(args.trace)

@@ -1,0 +1,297 @@
+"""Plan: where each tensor lives and when it moves, in op-relative time.
+
+A plan is a list of :class:`Move` records repeated every iteration. Time is op-relative:
+an eviction or prefetch is *issued when op ``after_op`` ends*; a prefetch also names the
+op that *needs* the tensor (``needed_by``), which may lie in the next iteration for a
+persistent tensor whose gap wraps. The simulator turns this into seconds; the runtime
+turns it into events on real streams.
+
+Two kinds of plan:
+
+* **planned** (``reactive=False``): the moves are a complete schedule. :func:`validate`
+  checks it against the trace: nothing is prefetched that is not away, nothing is used
+  while away, nothing is evicted after its last use, and planned bytes fit every tier at
+  every op.
+* **reactive** (``reactive=True``): the moves are hints to an on-demand pager (UVM-style
+  baselines such as ``lru`` and ``deepum``); whatever they miss the simulator fetches on
+  demand with LRU eviction. Only references are validated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError
+from .hardware import Hardware
+from .trace import Trace
+
+MOVE_KINDS = ("evict", "prefetch")
+PLAN_FORMAT = "tierflow-plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One planned transfer.
+
+    Attributes:
+        kind: ``"evict"`` (device to ``tier``) or ``"prefetch"`` (``tier`` to device).
+        tensor: tensor id.
+        after_op: the transfer is issued when this op ends (index within the iteration).
+        tier: destination of an eviction, source of a prefetch; ``None`` on a reactive
+            prefetch means "wherever the tensor is".
+        needed_by: for a prefetch, the op that uses the tensor next (may be earlier than
+            ``after_op``: then it is in the next iteration).
+    """
+
+    kind: str
+    tensor: int
+    after_op: int
+    tier: str | None = None
+    needed_by: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a policy produces and the simulator and runtime consume.
+
+    Attributes:
+        policy: name of the policy that made it.
+        moves: the schedule, repeated every iteration.
+        budget_bytes: device bytes the plan may use; the simulator enforces it (``inf``
+            for the unlimited-memory reference).
+        reactive: moves are hints for an on-demand pager (see the module docstring).
+        meta: free-form facts the policy wants to report (planning time, choices).
+    """
+
+    policy: str
+    moves: tuple[Move, ...] = ()
+    budget_bytes: float = math.inf
+    reactive: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moves", tuple(self.moves))
+
+    @cached_property
+    def by_op(self) -> dict[int, tuple[Move, ...]]:
+        """Moves grouped by ``after_op``, evictions before prefetches (room first)."""
+        out: dict[int, list[Move]] = {}
+        for m in self.moves:
+            out.setdefault(m.after_op, []).append(m)
+        return {k: tuple(sorted(v, key=lambda m: m.kind != "evict")) for k, v in out.items()}
+
+    def count(self, kind: str) -> int:
+        return sum(1 for m in self.moves if m.kind == kind)
+
+    # -- (de)serialisation --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "policy": self.policy,
+            "budget_bytes": None if self.budget_bytes == math.inf else int(self.budget_bytes),
+            "reactive": self.reactive,
+            "meta": self.meta,
+            "moves": [
+                {k: getattr(m, k) for k in ("kind", "tensor", "after_op", "tier", "needed_by")}
+                for m in self.moves
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<plan>") -> "Plan":
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{source}: not a {PLAN_FORMAT} file (field 'format')")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"{source}: unsupported plan version {data.get('version')!r}")
+        moves = []
+        for i, rec in enumerate(data.get("moves", [])):
+            try:
+                moves.append(
+                    Move(
+                        kind=str(rec["kind"]),
+                        tensor=int(rec["tensor"]),
+                        after_op=int(rec["after_op"]),
+                        tier=rec.get("tier"),
+                        needed_by=None if rec.get("needed_by") is None else int(rec["needed_by"]),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as e:
+                raise PlanError(f"{source}: move {i}: bad or missing field ({e})") from None
+        budget = data.get("budget_bytes")
+        return cls(
+            policy=str(data.get("policy", "external")),
+            moves=tuple(moves),
+            budget_bytes=math.inf if budget is None else float(budget),
+            reactive=bool(data.get("reactive", False)),
+            meta=dict(data.get("meta") or {}),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict()), encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanError(f"{path}: not a readable plan ({e})") from None
+        return cls.from_dict(data, source=str(path))
+
+
+# -- validation ---------------------------------------------------------------------------
+
+# Per-tensor states in the planning walk.
+_ON, _AWAY, _COMING = "on", "away", "coming"
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Planned bytes per tier during each op, and where each tensor starts an iteration."""
+
+    tier_bytes: dict[str, np.ndarray]
+    start_tier: dict[int, str]
+
+
+def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
+    """Check a plan against its trace and hardware and return its planned residency.
+
+    Raises:
+        PlanError: naming the move (index, tensor, op) or the op and tier at fault.
+    """
+    n_ops, n_t = trace.n_ops, trace.n_tensors
+    tiers = {t.name for t in hardware.tiers}
+    for i, m in enumerate(plan.moves):
+        where = f"plan {plan.policy}: move {i} ({m.kind} tensor {m.tensor} after op {m.after_op})"
+        if m.kind not in MOVE_KINDS:
+            raise PlanError(f"{where}: field 'kind' is {m.kind!r}, expected one of {', '.join(MOVE_KINDS)}")
+        if not 0 <= m.tensor < n_t:
+            raise PlanError(f"{where}: field 'tensor' names a tensor that does not exist (tensors: {n_t})")
+        if not 0 <= m.after_op < n_ops:
+            raise PlanError(f"{where}: field 'after_op' is outside 0..{n_ops - 1}")
+        if m.tier is not None and (m.tier not in tiers or m.tier == hardware.device):
+            raise PlanError(f"{where}: field 'tier' is {m.tier!r}, not an off-device tier of {hardware.name}")
+        if m.kind == "prefetch" and m.needed_by is not None and not 0 <= m.needed_by < n_ops:
+            raise PlanError(f"{where}: field 'needed_by' is outside 0..{n_ops - 1}")
+        if not plan.reactive:
+            if m.tier is None:
+                raise PlanError(f"{where}: a planned move must name its tier")
+            if m.kind == "prefetch" and m.needed_by is None:
+                raise PlanError(f"{where}: a planned prefetch must name 'needed_by'")
+    if plan.reactive:
+        return Residency({}, {})
+    return _walk(plan, trace, hardware)
+
+
+def _walk(plan: Plan, trace: Trace, hw: Hardware) -> Residency:
+    n_ops = trace.n_ops
+    per_tensor: dict[int, list[Move]] = {}
+    for m in plan.moves:
+        per_tensor.setdefault(m.tensor, []).append(m)
+    # planned bytes per tier, as difference arrays over ops
+    delta = {t.name: np.zeros(n_ops + 1, dtype=np.int64) for t in hw.tiers}
+    start_tier: dict[int, str] = {}
+    sizes = trace.sizes
+    for t in range(trace.n_tensors):
+        moves = sorted(per_tensor.get(t, []), key=lambda m: (m.after_op, m.kind != "evict"))
+        uses = trace.uses(t).tolist()
+        if trace.tensors[t].persistent:
+            lo, hi = 0, n_ops - 1
+            start = _start_state(moves, uses)
+        else:
+            lo, hi = int(trace.birth[t]), int(trace.death[t])
+            start = (_ON, None, None)
+            for m in moves:
+                if not lo <= m.after_op < hi:
+                    raise PlanError(
+                        f"plan {plan.policy}: {m.kind} of tensor {t} after op {m.after_op} lies outside "
+                        f"its life (ops {lo}..{hi}); nothing uses it afterwards"
+                    )
+        spans, end = _tensor_walk(plan.policy, t, moves, set(uses), lo, hi, start, hw.device)
+        if end != start:
+            raise PlanError(
+                f"plan {plan.policy}: tensor {t}: its moves do not repeat "
+                f"(it starts the iteration {start[0]} and ends it {end[0]})"
+            )
+        if trace.tensors[t].persistent:
+            start_tier[t] = start[1] if start[0] != _ON else hw.device
+        size = int(sizes[t])
+        for a, b, tier in spans:
+            delta[tier][a] += size
+            delta[tier][b + 1] -= size
+    tier_bytes = {name: np.cumsum(d[:-1]) for name, d in delta.items()}
+    for tier in hw.tiers:
+        cap = plan.budget_bytes if tier.name == hw.device else tier.capacity
+        over = np.flatnonzero(tier_bytes[tier.name] > cap)
+        if over.size:
+            op = int(over[0])
+            raise PlanError(
+                f"plan {plan.policy}: tier {tier.name} over capacity at op {op} ({trace.ops[op].name}): "
+                f"{int(tier_bytes[tier.name][op])} bytes planned, {cap:.0f} available"
+            )
+    return Residency(tier_bytes, start_tier)
+
+
+def _start_state(moves: list[Move], uses: list[int]) -> tuple:
+    """Where a persistent tensor is when an iteration starts: the state its last move
+    leaves it in, unless a use later in the iteration brings it back first."""
+    if not moves:
+        return (_ON, None, None)
+    last = moves[-1]
+    if last.kind == "evict":
+        return (_AWAY, last.tier, None)
+    if any(u > last.after_op for u in uses):
+        return (_ON, None, None)
+    return (_COMING, last.tier, last.needed_by)
+
+
+def _tensor_walk(policy, t, moves, uses, lo, hi, state, device):
+    """Walk one tensor through ops lo..hi from ``state``. Returns the spans
+    ``(first_op, last_op, tier)`` in which it occupies each tier, and its final state.
+    A prefetched tensor occupies the device from the op after the prefetch is issued; an
+    evicted one occupies its destination from the op after the eviction is issued."""
+    where = f"plan {policy}: tensor {t}"
+    kind, tier, needed = state
+    spans: list[tuple[int, int, str]] = []
+    span_start, span_tier = lo, (tier if kind == _AWAY else device)
+    i = 0
+    for op in range(lo, hi + 1):
+        if op in uses:
+            if kind == _AWAY:
+                raise PlanError(f"{where} is used by op {op} while planned to be on {tier}, with no prefetch before it")
+            if kind == _COMING:
+                if needed is not None and needed > op:
+                    raise PlanError(f"{where} is used by op {op} before op {needed}, which its prefetch is needed by")
+                kind, tier, needed = _ON, None, None
+        while i < len(moves) and moves[i].after_op == op:
+            m = moves[i]
+            i += 1
+            if m.kind == "evict":
+                if kind != _ON:
+                    raise PlanError(f"{where}: evicted after op {op} while not on the device")
+                kind, tier, needed = _AWAY, m.tier, None
+            else:
+                if kind != _AWAY:
+                    raise PlanError(f"{where}: prefetched after op {op} but it is not away from the device")
+                if m.tier != tier:
+                    raise PlanError(f"{where}: prefetched from {m.tier} after op {op} but it was evicted to {tier}")
+                if m.needed_by not in uses:
+                    raise PlanError(f"{where}: prefetch after op {op} is needed by op {m.needed_by}, which does not use it")
+                kind, needed = _COMING, m.needed_by
+            if op >= span_start:
+                spans.append((span_start, op, span_tier))
+            span_start, span_tier = op + 1, (tier if kind == _AWAY else device)
+    if span_start <= hi:
+        spans.append((span_start, hi, span_tier))
+    return spans, (kind, tier, needed)
