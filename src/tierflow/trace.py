@@ -205,9 +205,8 @@ class Trace:
                     out.append(Gap(t, a, b, False, float(start[b] - start[a + 1])))
             if self.tensors[t].persistent:
                 a, b = int(u[-1]), int(u[0])
-                length = float(total - start[a + 1] + start[b])
-                if length > 0 or len(u) > 1:
-                    out.append(Gap(t, a, b, True, length))
+                if not (a == self.n_ops - 1 and b == 0):  # used across the boundary: no gap
+                    out.append(Gap(t, a, b, True, float(total - start[a + 1] + start[b])))
         return tuple(out)
 
     @cached_property
