@@ -10,8 +10,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 
 def console(stderr: bool = False):

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from .errors import HardwareError
 from .units import parse_bytes
@@ -186,13 +187,13 @@ class Hardware:
         return self.route_latency(src, dst) + nbytes / bw
 
     # -- variants -----------------------------------------------------------------------
-    def with_tier(self, name: str, **changes: Any) -> "Hardware":
+    def with_tier(self, name: str, **changes: Any) -> Hardware:
         """A copy with one tier's fields changed, e.g. ``hw.with_tier("host", capacity=0)``."""
         tiers = tuple(dataclasses.replace(t, **changes) if t.name == name else t for t in self.tiers)
         self.tier(name)
         return dataclasses.replace(self, tiers=tiers)
 
-    def scaled_links(self, factor: float, which: str | None = None) -> "Hardware":
+    def scaled_links(self, factor: float, which: str | None = None) -> Hardware:
         """A copy whose links (those touching tier ``which``, or all) and the buses they
         cross are ``factor`` times faster."""
         links, buses = [], dict(self.buses)

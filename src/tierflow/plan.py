@@ -68,6 +68,13 @@ class Plan:
         budget_bytes: device bytes the plan may use; the simulator enforces it (``inf``
             for the unlimited-memory reference).
         reactive: moves are hints for an on-demand pager (see the module docstring).
+        frees_dead: the memory system frees a tensor after its last use. A plain UVM
+            pager does not know liveness (G10's Base UVM and DeepUM+): there a dead
+            tensor's pages stay allocated and are written back when evicted, and its
+            next birth faults them in again. Only reactive plans may set it False.
+        headroom: for reactive plans, the share of the budget the pager keeps free by
+            evicting least recently used tensors in the background after each op, so
+            that faults seldom wait for an eviction (as UVM drivers do).
         meta: free-form facts the policy wants to report (planning time, choices).
     """
 
@@ -75,6 +82,8 @@ class Plan:
     moves: tuple[Move, ...] = ()
     budget_bytes: float = math.inf
     reactive: bool = False
+    frees_dead: bool = True
+    headroom: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,6 +108,8 @@ class Plan:
             "policy": self.policy,
             "budget_bytes": None if self.budget_bytes == math.inf else int(self.budget_bytes),
             "reactive": self.reactive,
+            "frees_dead": self.frees_dead,
+            "headroom": self.headroom,
             "meta": self.meta,
             "moves": [
                 {k: getattr(m, k) for k in ("kind", "tensor", "after_op", "tier", "needed_by")}
@@ -107,7 +118,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<plan>") -> "Plan":
+    def from_dict(cls, data: Any, source: str = "<plan>") -> Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{source}: not a {PLAN_FORMAT} file (field 'format')")
         if data.get("version") != PLAN_VERSION:
@@ -132,6 +143,8 @@ class Plan:
             moves=tuple(moves),
             budget_bytes=math.inf if budget is None else float(budget),
             reactive=bool(data.get("reactive", False)),
+            frees_dead=bool(data.get("frees_dead", True)),
+            headroom=float(data.get("headroom", 0.0)),
             meta=dict(data.get("meta") or {}),
         )
 
@@ -141,7 +154,7 @@ class Plan:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         path = Path(path)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -189,6 +202,10 @@ def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
                 raise PlanError(f"{where}: a planned move must name its tier")
             if m.kind == "prefetch" and m.needed_by is None:
                 raise PlanError(f"{where}: a planned prefetch must name 'needed_by'")
+    if not plan.frees_dead and not plan.reactive:
+        raise PlanError(f"plan {plan.policy}: only a reactive plan may keep dead tensors (frees_dead=False)")
+    if not 0.0 <= plan.headroom < 1.0 or (plan.headroom and not plan.reactive):
+        raise PlanError(f"plan {plan.policy}: headroom {plan.headroom} must be in [0, 1) and only on a reactive plan")
     if plan.reactive:
         return Residency({}, {})
     return _walk(plan, trace, hardware)

@@ -23,10 +23,11 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -273,7 +274,7 @@ class Trace:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<trace>") -> "Trace":
+    def from_dict(cls, data: Any, source: str = "<trace>") -> Trace:
         """Build a trace from its JSON form, raising :class:`TraceError` naming the record
         and field of the first problem."""
         if not isinstance(data, dict):

@@ -1,0 +1,31 @@
+"""``lru``: G10's *Base UVM* baseline. Nothing is planned: every tensor that is not on the
+device when an op needs it faults in on demand, and room is made by evicting the least
+recently used tensors. The simulator's reactive mode is exactly this pager.
+
+Like UVM, and like G10's model of it, the pager does not know liveness: a dead tensor's
+pages stay allocated until evicted (and are written back), and its next birth faults
+them back in. ``liveness=True`` gives a liveness-aware pager instead.
+
+Options:
+    liveness (bool): free tensors after their last use (default False, as G10).
+    headroom (float): share of the budget the pager keeps free (default 0.05).
+"""
+
+from __future__ import annotations
+
+from ..hardware import Hardware
+from ..plan import Plan
+from ..trace import Trace
+from . import PolicyOptions, register
+
+
+@register("lru")
+def lru(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
+    return Plan(
+        policy="lru",
+        moves=(),
+        budget_bytes=options.budget_bytes,
+        reactive=True,
+        frees_dead=bool(options.get("liveness", False)),
+        headroom=float(options.get("headroom", 0.05)),
+    )
