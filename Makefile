@@ -21,7 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 test: $(STAMP) lint
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(VENV)/bin/tierflow demo

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
+settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REPO = Path(__file__).resolve().parents[1]

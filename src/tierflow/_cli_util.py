@@ -16,9 +16,14 @@ from typing import Any
 
 
 def console(stderr: bool = False):
+    """A rich console; when output is not a terminal (a pipe, CI, a file) tables get a
+    wide fixed width instead of rich's 80 columns, so rows do not wrap."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    con = Console(stderr=stderr, highlight=False)
+    if not con.is_terminal:
+        con = Console(stderr=stderr, highlight=False, width=160)
+    return con
 
 
 def print_json(obj: Any) -> None:

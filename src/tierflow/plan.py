@@ -72,6 +72,9 @@ class Plan:
             pager does not know liveness (G10's Base UVM and DeepUM+): there a dead
             tensor's pages stay allocated and are written back when evicted, and its
             next birth faults them in again. Only reactive plans may set it False.
+        refetch_dead: with ``frees_dead=False``, whether a tensor's dead contents are
+            fetched back when its next birth overwrites them (a pager that faults on
+            every access) or dropped (one that maps fresh memory for a write).
         headroom: for reactive plans, the share of the budget the pager keeps free by
             evicting least recently used tensors in the background after each op, so
             that faults seldom wait for an eviction (as UVM drivers do).
@@ -83,6 +86,7 @@ class Plan:
     budget_bytes: float = math.inf
     reactive: bool = False
     frees_dead: bool = True
+    refetch_dead: bool = False
     headroom: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -109,6 +113,7 @@ class Plan:
             "budget_bytes": None if self.budget_bytes == math.inf else int(self.budget_bytes),
             "reactive": self.reactive,
             "frees_dead": self.frees_dead,
+            "refetch_dead": self.refetch_dead,
             "headroom": self.headroom,
             "meta": self.meta,
             "moves": [
@@ -144,6 +149,7 @@ class Plan:
             budget_bytes=math.inf if budget is None else float(budget),
             reactive=bool(data.get("reactive", False)),
             frees_dead=bool(data.get("frees_dead", True)),
+            refetch_dead=bool(data.get("refetch_dead", False)),
             headroom=float(data.get("headroom", 0.0)),
             meta=dict(data.get("meta") or {}),
         )

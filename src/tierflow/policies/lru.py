@@ -3,11 +3,14 @@ device when an op needs it faults in on demand, and room is made by evicting the
 recently used tensors. The simulator's reactive mode is exactly this pager.
 
 Like UVM, and like G10's model of it, the pager does not know liveness: a dead tensor's
-pages stay allocated until evicted (and are written back), and its next birth faults
-them back in. ``liveness=True`` gives a liveness-aware pager instead.
+pages stay allocated until evicted (and are written back). At its next birth the op
+overwrites it; by default the dead contents are then dropped rather than fetched back
+(``refetch_dead=True`` fetches them, as G10's transformer runs do; see BENCHMARKS.md).
+``liveness=True`` gives a liveness-aware pager instead.
 
 Options:
     liveness (bool): free tensors after their last use (default False, as G10).
+    refetch_dead (bool): fetch a dead tensor's old contents at its next birth (default False).
     headroom (float): share of the budget the pager keeps free (default 0.05).
 """
 
@@ -27,5 +30,6 @@ def lru(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         budget_bytes=options.budget_bytes,
         reactive=True,
         frees_dead=bool(options.get("liveness", False)),
+        refetch_dead=bool(options.get("refetch_dead", False)),
         headroom=float(options.get("headroom", 0.05)),
     )

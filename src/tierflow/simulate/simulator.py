@@ -104,6 +104,15 @@ class _Simulator:
             if not trace.tensors[t].persistent:
                 dies.setdefault(int(trace.death[t]), []).append(t)
         self.dies = dies
+        # Without liveness, a tensor is not freed but its next birth (first use, as an
+        # output only) overwrites it, so the dead contents are never fetched back.
+        self.overwrites: dict[int, set[int]] = {}
+        if not plan.frees_dead and not plan.refetch_dead:
+            for t in range(n):
+                if not trace.tensors[t].persistent:
+                    b = int(trace.first_use[t])
+                    if t not in trace.ops[b].inputs:
+                        self.overwrites.setdefault(b, set()).add(t)
         n_ops = trace.n_ops
         self.op_start = np.zeros(n_ops)
         self.op_end = np.zeros(n_ops)
@@ -328,7 +337,16 @@ class _Simulator:
                     if t in self.deferred:
                         self.deferred.remove(t)
                     self._wait_room(self.size[t])
-                    if state[t] == AWAY:
+                    if state[t] != AWAY:
+                        continue
+                    if t in self.overwrites.get(self.current_op, ()):
+                        # its old contents are dead and about to be overwritten: a
+                        # liveness-blind pager drops them and maps fresh memory
+                        self._free(self.where[t], self.size[t])
+                        state[t], self.where[t] = RESIDENT, None
+                        self.lru[t] = None
+                        self._alloc(self.dev, self.size[t])
+                    else:
                         self._fetch(t, "fault")
             # Waiting for room lets time pass: tensors scanned earlier may have arrived,
             # or finished leaving and now need a fault. Re-scan before waiting.

@@ -1,0 +1,297 @@
+"""The ``tierflow`` command: thin — it parses, calls the library, prints.
+
+Bad input never shows a traceback: every :class:`TierflowError` becomes one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+from typing import Any
+
+from . import _cli_util as u
+from .errors import TierflowError
+from .units import fmt_bytes, fmt_seconds
+
+# Command groups that live beside their layer; each module has register(subparsers).
+_EXTENSIONS = ("tierflow.capture.cli", "tierflow.pool.cli")
+
+DEFAULT_POLICIES = ("ideal", "lru", "deepum")
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", default="g10-a100", help="preset name or TOML file (default: g10-a100)")
+    p.add_argument("--budget", default=None, help="device budget: bytes (20GiB) or share of the peak (30%%)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument(
+        "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+        help="a policy option, e.g. --set lookahead=4 (repeatable; see each policy's docs)",
+    )
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["lookahead=4", "liveness=false"]`` -> ``{"lookahead": 4, "liveness": False}``."""
+    from .errors import PolicyError
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise PolicyError(f"--set {item!r}: expected KEY=VALUE")
+        low = text.strip().lower()
+        value: Any
+        if low in ("true", "yes", "on"):
+            value = True
+        elif low in ("false", "no", "off"):
+            value = False
+        else:
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = text
+        out[key.strip()] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierflow",
+        description="Plan, simulate and run tensor placement across GPU, host, persistent memory and SSD.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("simulate", help="simulate one policy's plan for a trace")
+    u.add_trace_args(p)
+    _add_plan_args(p)
+    p.add_argument("--policy", default="deepum", help="policy name (see 'tierflow policies')")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("compare", help="simulate several policies side by side")
+    u.add_trace_args(p)
+    _add_plan_args(p)
+    p.add_argument("--policies", default=None, help="comma-separated policy names (default: all)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("policies", help="list the planning policies")
+    p.set_defaults(func=cmd_policies)
+
+    p = sub.add_parser("hardware", help="list or show hardware presets")
+    hsub = p.add_subparsers(dest="hw_command", metavar="ACTION")
+    hsub.required = True
+    hsub.add_parser("list", help="list presets").set_defaults(func=cmd_hardware_list)
+    hs = hsub.add_parser("show", help="show a preset or TOML file (printed as TOML)")
+    hs.add_argument("name")
+    hs.set_defaults(func=cmd_hardware_show)
+
+    p = sub.add_parser("demo", help="the main job on a built-in workload")
+    p.add_argument("--hardware", default="rtx4090-24g", help="hardware preset (default: rtx4090-24g)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_demo)
+
+    for name in _EXTENSIONS:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue  # that layer is not part of this build
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TierflowError as e:
+        print(f"tierflow: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tierflow: interrupted", file=sys.stderr)
+        return 130
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def _run_policies(
+    trace: Any, hw: Any, names: list[str], budget: Any, show_progress: bool, options: dict | None = None
+) -> list[Any]:
+    from .policies import make_plan
+    from .simulate import simulate
+
+    results = []
+    total = len(names) * 2 * trace.n_ops
+    with u.progress(f"simulating {trace.name}", total, enabled=show_progress) as update:
+        for k, name in enumerate(names):
+            plan = make_plan(name, trace, hw, budget=budget, **(options or {}))
+            base = k * 2 * trace.n_ops
+            results.append(simulate(trace, hw, plan, progress=lambda d, _t, b=base: update(b + d)))
+    return results
+
+
+def _policy_list(text: str | None) -> list[str]:
+    from .policies import get_policy, policy_names
+
+    names = [n.strip() for n in text.split(",") if n.strip()] if text else policy_names()
+    for n in names:
+        get_policy(n)  # raises PolicyError naming the unknown one
+    return names
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .hardware import load_hardware
+
+    hw = load_hardware(args.hardware)
+    trace = u.resolve_trace(args, hardware=hw)
+    _policy_list(args.policy)
+    (res,) = _run_policies(trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options))
+    if args.json:
+        u.print_json(res.to_dict())
+    else:
+        _print_results(trace, hw, [res])
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .hardware import load_hardware
+
+    hw = load_hardware(args.hardware)
+    trace = u.resolve_trace(args, hardware=hw)
+    names = _policy_list(args.policies)
+    results = _run_policies(trace, hw, names, args.budget, not args.json, parse_options(args.options))
+    if args.json:
+        u.print_json([r.to_dict() for r in results])
+    else:
+        _print_results(trace, hw, results)
+    return 0
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .policies import describe, policy_names
+
+    table = Table(title="policies")
+    table.add_column("name")
+    table.add_column("what it does")
+    for n in policy_names():
+        table.add_row(n, describe(n))
+    u.console().print(table)
+    return 0
+
+
+def cmd_hardware_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .hardware import load_hardware, preset_names
+
+    table = Table(title="hardware presets")
+    for col in ("name", "device", "tiers", "description"):
+        table.add_column(col)
+    for name in preset_names():
+        hw = load_hardware(name)
+        tiers = ", ".join(f"{t.name} {fmt_bytes(t.capacity)}" for t in hw.tiers)
+        table.add_row(name, hw.device, tiers, hw.description)
+    u.console().print(table)
+    return 0
+
+
+def cmd_hardware_show(args: argparse.Namespace) -> int:
+    from .hardware import load_hardware
+
+    sys.stdout.write(load_hardware(args.name).to_toml())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .hardware import load_hardware
+    from .synthetic import gpt_trace
+
+    hw = load_hardware(args.hardware)
+    trace = gpt_trace(hw, layers=32, d_model=2048, batch=16, seq=1024)
+    names = _policy_list(None)
+    con = u.console()
+    if not args.json:
+        con.print(
+            f"[bold]tierflow demo[/]: one training step of {trace.name} (a GPT-style decoder, "
+            f"{trace.n_ops} ops, {trace.n_tensors} tensors) on {hw.name}.\n"
+            f"Unconstrained it needs {fmt_bytes(trace.peak_live_bytes)} at its peak "
+            f"(op {trace.peak_op}, {trace.ops[trace.peak_op].name}); the device has "
+            f"{fmt_bytes(hw.device_capacity)}. Planning every policy under that budget and simulating...\n"
+        )
+    results = _run_policies(trace, hw, names, None, not args.json)
+    if args.json:
+        u.print_json([r.to_dict() for r in results])
+        return 0
+    _print_results(trace, hw, results)
+    con.print(_verdict(trace, hw, results))
+    return 0
+
+
+# -- presentation ---------------------------------------------------------------------------
+
+
+def _print_results(trace: Any, hw: Any, results: list[Any]) -> None:
+    from rich.table import Table
+
+    con = u.console()
+    links = [link.name for link in hw.links if any(r.traffic_bytes.get(link.name) for r in results)]
+    tiers = [t.name for t in hw.tiers if any(r.peak_bytes.get(t.name) for r in results)]
+    table = Table(
+        title=f"{trace.name} on {hw.name}: ideal step {fmt_seconds(trace.ideal_s)}",
+        caption="traffic in GB moved per step over each link; peak in GiB held per tier",
+    )
+    table.add_column("policy")
+    table.add_column("step", justify="right")
+    table.add_column("of ideal", justify="right")
+    table.add_column("stall", justify="right")
+    for name in links:
+        table.add_column(f"{name} GB", justify="right")
+    for name in tiers:
+        table.add_column(f"peak {name}", justify="right")
+    table.add_column("fits")
+    for r in results:
+        row = [r.policy, fmt_seconds(r.time_s), f"{r.ratio:.3f}", fmt_seconds(r.stall_s)]
+        row += [f"{r.traffic_bytes.get(n, 0) / 1e9:.1f}" for n in links]
+        row += [f"{r.peak_bytes.get(n, 0) / 2**30:.1f}" for n in tiers]
+        row.append("[green]yes[/]" if r.fits else "[red]no[/]")
+        table.add_row(*row)
+    con.print(table)
+    for r in results:
+        if r.error:
+            con.print(f"[red]{r.policy}[/]: {r.error}")
+
+
+def _verdict(trace: Any, hw: Any, results: list[Any]) -> str:
+    """Plain words: which policies fit and how close to ideal the best one gets."""
+    fitting = [r for r in results if r.fits and r.policy != "ideal" and math.isfinite(r.time_s)]
+    lines = []
+    ideal = next((r for r in results if r.policy == "ideal"), None)
+    if ideal is not None and not ideal.fits:
+        lines.append(
+            f"Without offloading this step does not fit: it peaks at {fmt_bytes(ideal.peak_bytes[hw.device])} "
+            f"on a {fmt_bytes(hw.device_capacity)} device."
+        )
+    if fitting:
+        best = max(fitting, key=lambda r: r.ratio)
+        lines.append(
+            f"Best here: [bold]{best.policy}[/], predicted {fmt_seconds(best.time_s)} a step, "
+            f"{best.ratio:.2f} of the ideal {fmt_seconds(best.ideal_s)}, stalling {fmt_seconds(best.stall_s)}."
+        )
+        for r in fitting:
+            if r is not best:
+                lines.append(f"  {r.policy}: {r.ratio:.2f} of ideal ({fmt_seconds(r.stall_s)} of stalls).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

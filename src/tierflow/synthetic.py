@@ -1,0 +1,112 @@
+"""A built-in synthetic training trace: a GPT-style decoder, with no capture needed.
+
+It is what ``tierflow demo`` runs on when nothing else is given, and what tests use to
+get a realistic shape (weights reused in forward, backward and the optimizer step;
+activations saved in forward and consumed in reverse; AdamW state that lives across
+iterations) without PyTorch. Op times come from a roofline: ``max(flops / peak,
+bytes / memory bandwidth)`` on the hardware's compute device.
+"""
+
+from __future__ import annotations
+
+from .hardware import Hardware
+from .trace import Op, TensorInfo, Trace
+
+
+def gpt_trace(
+    hardware: Hardware,
+    *,
+    layers: int = 24,
+    d_model: int = 2048,
+    batch: int = 8,
+    seq: int = 1024,
+    vocab: int = 50304,
+    dtype_bytes: int = 2,
+) -> Trace:
+    """One training iteration (forward, backward, AdamW step) of a GPT-style decoder.
+
+    Args:
+        hardware: its compute peak and memory bandwidth set the op times.
+        layers, d_model, batch, seq, vocab: the model and batch shape.
+        dtype_bytes: 2 (bf16, tensor-core peak) or 4 (fp32 peak).
+
+    Returns:
+        A :class:`Trace` named ``gpt-L{layers}-d{d_model}-b{batch}x{seq}``.
+    """
+    peak = hardware.compute.peak_flops_bf16 if dtype_bytes == 2 else hardware.compute.peak_flops_fp32
+    mem_bw = hardware.compute.mem_bandwidth
+    tensors: list[TensorInfo] = []
+    ops: list[Op] = []
+    tokens = batch * seq
+    d = d_model
+
+    def tensor(nbytes: int, kind: str, name: str, persistent: bool = False) -> int:
+        tensors.append(TensorInfo(len(tensors), int(nbytes), kind, persistent, name))
+        return len(tensors) - 1
+
+    def op(name: str, phase: str, flops: float, ins: tuple[int, ...], outs: tuple[int, ...]) -> None:
+        moved = sum(tensors[t].bytes for t in set(ins + outs))
+        ops.append(Op(name, phase, max(flops / peak, moved / mem_bw), ins, outs))
+
+    act = tokens * d * dtype_bytes
+    ids = tensor(tokens * 8, "input", "input_ids")
+    emb = tensor(vocab * d * dtype_bytes, "parameter", "wte", True)
+    shapes = {"qkv": 3 * d * d, "proj": d * d, "fc": 4 * d * d, "out": 4 * d * d}
+    params = [{k: tensor(n * dtype_bytes, "parameter", f"h{i}.{k}", True) for k, n in shapes.items()} for i in range(layers)]
+
+    # forward: each layer saves its input and four intermediates for backward
+    x = tensor(act, "activation", "x0")
+    op("embedding", "forward", 0, (ids, emb), (x,))
+    saved = []
+    for i, p in enumerate(params):
+        qkv = tensor(3 * act, "activation", f"h{i}.qkv")
+        op(f"h{i}.qkv", "forward", 2 * tokens * d * 3 * d, (x, p["qkv"]), (qkv,))
+        ctx = tensor(act, "activation", f"h{i}.ctx")
+        op(f"h{i}.attn", "forward", 4 * tokens * seq * d, (qkv,), (ctx,))
+        h = tensor(act, "activation", f"h{i}.h")
+        op(f"h{i}.proj", "forward", 2 * tokens * d * d, (ctx, p["proj"], x), (h,))
+        u = tensor(4 * act, "activation", f"h{i}.fc")
+        op(f"h{i}.fc", "forward", 8 * tokens * d * d, (h, p["fc"]), (u,))
+        nxt = tensor(act, "activation", f"x{i + 1}")
+        op(f"h{i}.out", "forward", 8 * tokens * d * d, (u, p["out"], h), (nxt,))
+        saved.append((x, qkv, ctx, h, u))
+        x = nxt
+    logits = tensor(tokens * vocab * dtype_bytes, "temporary", "logits")
+    op("lm_head+loss", "forward", 2 * tokens * d * vocab, (x, emb), (logits,))
+
+    # backward, in reverse; weight gradients are born here and die at the optimizer
+    grads: dict[int, int] = {}
+    dx = tensor(act, "activation", f"dx{layers}")
+    g_emb = tensor(tensors[emb].bytes, "gradient", "wte.grad")
+    grads[emb] = g_emb
+    op("lm_head.backward", "backward", 4 * tokens * d * vocab, (logits, x, emb), (dx, g_emb))
+    for i in reversed(range(layers)):
+        p = params[i]
+        xi, qkv, ctx, h, u = saved[i]
+        g = {k: tensor(tensors[w].bytes, "gradient", f"h{i}.{k}.grad") for k, w in p.items()}
+        grads.update({p[k]: g[k] for k in p})
+        du = tensor(4 * act, "activation", f"h{i}.dfc")
+        op(f"h{i}.out.backward", "backward", 16 * tokens * d * d, (dx, u, p["out"]), (du, g["out"]))
+        dh = tensor(act, "activation", f"h{i}.dh")
+        op(f"h{i}.fc.backward", "backward", 16 * tokens * d * d, (du, h, p["fc"], dx), (dh, g["fc"]))
+        dctx = tensor(act, "activation", f"h{i}.dctx")
+        op(f"h{i}.proj.backward", "backward", 4 * tokens * d * d, (dh, ctx, p["proj"]), (dctx, g["proj"]))
+        dqkv = tensor(3 * act, "activation", f"h{i}.dqkv")
+        op(f"h{i}.attn.backward", "backward", 8 * tokens * seq * d, (dctx, qkv), (dqkv,))
+        dxi = tensor(act, "activation", f"dx{i}")
+        op(f"h{i}.qkv.backward", "backward", 12 * tokens * d * d, (dqkv, xi, p["qkv"], dh), (dxi, g["qkv"]))
+        dx = dxi
+    op("embedding.backward", "backward", 0, (dx, ids, g_emb), (g_emb,))
+
+    # AdamW: two fp32 moments per parameter, updated in place
+    for w, gw in grads.items():
+        n_elems = tensors[w].bytes // dtype_bytes
+        m = tensor(n_elems * 4, "optimizer_state", f"{tensors[w].name}.exp_avg", True)
+        v = tensor(n_elems * 4, "optimizer_state", f"{tensors[w].name}.exp_avg_sq", True)
+        op(f"adamw.{tensors[w].name}", "optimizer", 12 * n_elems, (w, gw, m, v), (w, m, v))
+    return Trace(
+        ops,
+        tensors,
+        name=f"gpt-L{layers}-d{d_model}-b{batch}x{seq}",
+        meta={"source": "synthetic", "hardware": hardware.name, "dtype_bytes": dtype_bytes},
+    )

@@ -1,0 +1,98 @@
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from helpers import MB, chain_trace
+from tierflow import Op, TensorInfo, Trace, TraceError, load_trace
+
+
+def test_uses_birth_death_follow_first_and_last_use():
+    t = chain_trace()
+    assert t.uses(0).tolist() == [0, 2, 3]
+    assert t.birth.tolist() == [0, 0, 2]
+    assert t.death.tolist() == [3, 2, 3]
+
+
+def test_gaps_between_uses_and_wrapping_for_persistent():
+    t = chain_trace()
+    gaps = {(g.tensor, g.after_op, g.before_op): g for g in t.gaps}
+    assert gaps[(0, 0, 2)].length_s == pytest.approx(0.020)
+    assert not gaps[(0, 0, 2)].wraps
+    # the activation is used by ops 0 and 2: one gap of op 1's length
+    assert gaps[(1, 0, 2)].length_s == pytest.approx(0.020)
+    # W's last use is the last op and its first use op 0: no wrapping gap at all
+    assert not any(g.wraps for g in t.gaps)
+
+
+def test_wrapping_gap_spans_the_iteration_boundary():
+    ts = [TensorInfo(0, 8, "parameter", True), TensorInfo(1, 8, "activation")]
+    ops = [Op("a", "forward", 1.0, (1,)), Op("b", "forward", 2.0, (0, 1)), Op("c", "backward", 4.0, (1,))]
+    (gap,) = [g for g in Trace(ops, ts).gaps if g.tensor == 0]
+    assert gap.wraps and (gap.after_op, gap.before_op) == (1, 1)
+    assert gap.length_s == pytest.approx(4.0 + 1.0)
+
+
+def test_live_bytes_counts_persistent_always_and_others_while_alive():
+    t = chain_trace()
+    assert t.live_bytes.tolist() == [150 * MB, 150 * MB, 180 * MB, 130 * MB]
+    assert t.peak_live_bytes == 180 * MB and t.peak_op == 2
+
+
+def test_ideal_is_the_sum_of_op_times():
+    assert chain_trace().ideal_s == pytest.approx(0.045)
+
+
+def test_in_place_update_counts_the_tensor_once():
+    t = chain_trace()
+    assert t.op_tensors[3] == (2, 0)
+    assert t.working_set_bytes[3] == 130 * MB
+
+
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+def test_save_load_round_trip(tmp_path, suffix):
+    t = chain_trace()
+    path = t.save(tmp_path / f"trace{suffix}")
+    if suffix.endswith(".gz"):
+        with gzip.open(path, "rt") as f:
+            assert json.load(f)["format"] == "tierflow-trace"
+    assert load_trace(path) == t
+
+
+def test_validation_names_the_op_and_field():
+    ts = [TensorInfo(0, 8, "activation")]
+    with pytest.raises(TraceError, match=r"op 0 \(x\): field 'inputs' names tensor 3"):
+        Trace([Op("x", "forward", 1.0, (3,))], ts)
+    with pytest.raises(TraceError, match=r"field 'phase'"):
+        Trace([Op("x", "sideways", 1.0, (0,))], ts)
+    with pytest.raises(TraceError, match=r"field 'duration_s'"):
+        Trace([Op("x", "forward", float("nan"), (0,))], ts)
+    with pytest.raises(TraceError, match=r"tensor 1 .*no op uses it"):
+        Trace([Op("x", "forward", 1.0, (0,))], ts + [TensorInfo(1, 8, "activation")])
+
+
+def test_load_rejects_bad_files_with_the_file_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TraceError, match="bad.json: not a readable JSON trace"):
+        load_trace(bad)
+    wrong = tmp_path / "wrong.json"
+    data = chain_trace().to_dict()
+    data["tensors"][1]["bytes"] = "lots"
+    wrong.write_text(json.dumps(data))
+    with pytest.raises(TraceError, match=r"wrong.json: tensor 1: field 'bytes' must be an integer"):
+        load_trace(wrong)
+    data = chain_trace().to_dict()
+    data["version"] = 99
+    wrong.write_text(json.dumps(data))
+    with pytest.raises(TraceError, match="unsupported trace version 99"):
+        load_trace(wrong)
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace(tmp_path / "missing.json")
+
+
+def test_derived_views_are_numpy():
+    t = chain_trace()
+    assert isinstance(t.sizes, np.ndarray) and t.sizes.dtype == np.int64
+    assert t.op_start_s[-1] == pytest.approx(t.ideal_s)
