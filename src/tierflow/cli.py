@@ -17,7 +17,7 @@ from .errors import TierflowError
 from .units import fmt_bytes, fmt_seconds
 
 # Command groups that live beside their layer; each module has register(subparsers).
-_EXTENSIONS = ("tierflow.capture.cli", "tierflow.pool.cli")
+_EXTENSIONS = ("tierflow.capture.cli", "tierflow.pool.cli", "tierflow.bound", "tierflow.report.cli")
 
 DEFAULT_POLICIES = ("ideal", "lru", "deepum")
 
@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_trace_args(p)
     _add_plan_args(p)
     p.add_argument("--policy", default="deepum", help="policy name (see 'tierflow policies')")
+    p.add_argument(
+        "--plan-file", default=None,
+        help="replay an external plan instead: a tierflow plan JSON or G10's prefetch_guide.config",
+    )
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("compare", help="simulate several policies side by side")
@@ -152,13 +156,35 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     hw = load_hardware(args.hardware)
     trace = u.resolve_trace(args, hardware=hw)
-    _policy_list(args.policy)
-    (res,) = _run_policies(trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options))
+    if args.plan_file:
+        res = _replay(trace, hw, args)
+    else:
+        _policy_list(args.policy)
+        (res,) = _run_policies(trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options))
     if args.json:
         u.print_json(res.to_dict())
     else:
         _print_results(trace, hw, [res])
     return 0
+
+
+def _replay(trace: Any, hw: Any, args: argparse.Namespace) -> Any:
+    """Simulate a plan from a file: tierflow's JSON, or G10's prefetch_guide.config."""
+    from pathlib import Path
+
+    from .plan import Plan
+    from .policies import resolve_budget
+    from .simulate import simulate
+
+    path = Path(args.plan_file)
+    if path.name.endswith(".config"):
+        from .formats.g10_plan import load_g10_plan
+
+        plan = load_g10_plan(path, trace, hw, budget=resolve_budget(trace, hw, args.budget))
+    else:
+        plan = Plan.load(path)
+    with u.progress(f"simulating {path.name}", 2 * trace.n_ops, enabled=not args.json) as update:
+        return simulate(trace, hw, plan, progress=update)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

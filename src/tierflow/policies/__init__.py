@@ -9,6 +9,7 @@ the minimum working set (the largest set of tensors one op needs at once).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,13 @@ _MODULES: dict[str, tuple[str, str]] = {
     "ideal": ("tierflow.policies.ideal", "unlimited device memory: the reference step time"),
     "lru": ("tierflow.policies.lru", "G10's Base UVM: on-demand faults, LRU eviction"),
     "deepum": ("tierflow.policies.deepum", "G10's DeepUM+: UVM plus prefetch of the op 8 ahead"),
+    "g10": ("tierflow.policies.g10", "G10's smart tensor migration across host and SSD"),
+    "flashneuron": ("tierflow.policies.flashneuron", "FlashNeuron: forward activations to SSD, back in backward"),
+    "vdnn": ("tierflow.policies.vdnn", "vDNN: activations to host after forward use, prefetched a layer ahead"),
+    "singa": ("tierflow.policies.singa", "SINGA: swap blocks idle across the peak to host (ranked selection)"),
+    "myelin": ("tierflow.policies.myelin", "Myelin: model states parked in host memory between uses"),
+    "deeptm": ("tierflow.policies.deeptm", "DeepTM: page-aggregated, heat-ranked ILP placement, RL-tuned weights"),
+    "tierflow": ("tierflow.policies.tierflow", "ours: all tiers and kinds, bandwidth-aware, refined with the simulator"),
 }
 _REGISTRY: dict[str, PolicyFn] = {}
 
@@ -57,7 +65,9 @@ def register(name: str) -> Callable[[PolicyFn], PolicyFn]:
 
 
 def policy_names() -> list[str]:
-    return list(_MODULES)
+    """The policies this build has (a registered name whose module is not present yet is
+    left out)."""
+    return [n for n, (mod, _) in _MODULES.items() if importlib.util.find_spec(mod) is not None]
 
 
 def describe(name: str) -> str:
@@ -65,8 +75,8 @@ def describe(name: str) -> str:
 
 
 def get_policy(name: str) -> PolicyFn:
-    if name not in _MODULES:
-        raise PolicyError(f"unknown policy {name!r} (policies: {', '.join(_MODULES)})")
+    if name not in policy_names():
+        raise PolicyError(f"unknown policy {name!r} (policies: {', '.join(policy_names())})")
     if name not in _REGISTRY:
         importlib.import_module(_MODULES[name][0])
     return _REGISTRY[name]
