@@ -91,6 +91,9 @@ class _State:
     saved_seq: int = 0
     saved_device: int = 0
     quiet: bool = False
+    probe_cuda: bool = False  # measure per-op workspace from the CUDA allocator's peak
+    probe: list[str] | None = None  # op names of a profiled probe iteration (CPU workspace)
+    workspace: list[int] = field(default_factory=list)  # per recorded op: transient bytes inside it
 
     def slot(self, t: torch.Tensor, produced_by: str | None) -> _Slot | None:
         """The slot of ``t``'s storage (created on first sight), or None if ``t`` lives
@@ -149,6 +152,13 @@ class _Mode(TorchDispatchMode):
         if s.quiet:
             return func(*args, **kwargs)
         name = func._schema.name
+        if s.probe is not None:
+            with torch.autograd.profiler.record_function(f"tierflow#{len(s.probe)}"):
+                s.probe.append(name)
+                return func(*args, **kwargs)
+        cuda_ws = s.timing == "measured" and s.device.type == "cuda" and s.probe_cuda
+        if cuda_ws:
+            torch.cuda.reset_peak_memory_stats(s.device)
         in_tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         ins = [s.slot(t, None) for t in in_tensors]
         written = _written_args(func, args, kwargs)
@@ -159,6 +169,9 @@ class _Mode(TorchDispatchMode):
             out = func(*args, **kwargs)
             end.record()
             events, dur = (start, end), 0.0
+            if cuda_ws:
+                s.workspace.append(max(0, torch.cuda.max_memory_allocated(s.device)
+                                       - torch.cuda.memory_allocated(s.device)))
         elif s.timing == "measured":
             t0 = time.perf_counter()
             out = func(*args, **kwargs)
@@ -328,6 +341,7 @@ def capture(
     autocast: str | torch.dtype | None = None,
     accumulation_steps: int = 1,
     warmup: int = 1,
+    workspace: bool = True,
     name: str = "",
     meta: dict[str, Any] | None = None,
 ) -> Trace:
@@ -362,6 +376,12 @@ def capture(
             each with its own forward and backward (loss scaled by ``1/k``), gradients
             accumulating before the one optimizer step.
         warmup: unrecorded iterations before the recorded one.
+        workspace: also record the memory an op allocates and frees inside itself (a
+            convolution's im2col buffer, a backward kernel's scratch) as a temporary
+            tensor used by that op alone: on CUDA from the caching allocator's peak
+            around each op; on CPU from one extra iteration run under
+            ``torch.profiler`` (``profile_memory=True``), matched op by op. Not
+            available on ``meta``, where nothing is allocated.
         name: the trace's name. meta: extra entries for ``trace.meta``.
 
     Returns:
@@ -454,6 +474,12 @@ def capture(
         state.label(x, "input", f"input:{i}", f"input{i}", False)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if state.probe is not None:
+            state.quiet = True
+            try:
+                return t.detach()
+            finally:
+                state.quiet = False
         seq = state.saved_seq
         state.saved_seq += 1
         state.quiet = True
@@ -467,8 +493,18 @@ def capture(
         finally:
             state.quiet = False
 
+    probe_names: list[str] | None = None
+    probe_ws: list[int] = []
+    if workspace and timing == "measured" and dev.type == "cpu":
+        probe_names, probe_ws = _probe_cpu_workspace(state, lambda: one_iteration(False), pack)
+    state.probe_cuda = workspace and timing == "measured" and dev.type == "cuda"
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Mode(state):
         one_iteration(True)
+    if probe_names is not None:
+        if probe_names == [r.name for r in state.ops]:
+            state.workspace = probe_ws
+        else:  # the model took a different path this iteration: no op-by-op match
+            state.workspace = []
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     if not state.ops:
@@ -479,6 +515,41 @@ def capture(
         "accumulation_steps": k,
         "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else None,
     })
+
+
+def _probe_cpu_workspace(state: _State, iteration: Callable[[], None], pack: Callable) -> tuple[list[str], list[int]]:
+    """Run one iteration under the profiler with every op marked; return the op names and
+    the transient bytes inside each op: the peak of its allocations' running sum minus
+    what it still holds at its end (its results)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    state.probe = []
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Mode(state):
+                iteration()
+        names = state.probe
+    finally:
+        state.probe = None
+    ws = [0] * len(names)
+    stack = [(e, -1) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    allocs: dict[int, list[tuple[int, int]]] = {}
+    while stack:
+        e, owner = stack.pop()
+        if e.name.startswith("tierflow#"):
+            owner = int(e.name[len("tierflow#"):])
+        elif owner >= 0 and e.tag == _EventType.Allocation:
+            allocs.setdefault(owner, []).append((e.start_time_ns, int(e.extra_fields.alloc_size)))
+        stack.extend((c, owner) for c in e.children)
+    for i, evs in allocs.items():
+        cur = peak = 0
+        for _, d in sorted(evs):
+            cur += d
+            peak = max(peak, cur)
+        if i < len(ws):
+            ws[i] = max(0, peak - max(cur, 0))
+    return names, ws
 
 
 def _label_grads(state: _State, model: torch.nn.Module) -> None:
@@ -502,12 +573,18 @@ def _build(state: _State, model: torch.nn.Module, dev: torch.device, hw: Hardwar
         persistent = s.persistent and s.kind in _PERSISTENT_KINDS
         tensors.append(TensorInfo(id=i, bytes=s.nbytes, kind=s.kind, persistent=persistent, name=s.name, key=s.key))
     ops = []
-    for r in state.ops:
+    ws = state.workspace if len(state.workspace) == len(state.ops) else []
+    for j, r in enumerate(state.ops):
         d = r.duration_s
         if r.events is not None:
             d = r.events[0].elapsed_time(r.events[1]) / 1e3
+        outputs = tuple(r.outputs)
+        if ws and ws[j] > 0:
+            tid = len(tensors)
+            tensors.append(TensorInfo(id=tid, bytes=int(ws[j]), kind="temporary", name=f"<workspace {r.name}#{j}>"))
+            outputs += (tid,)
         ops.append(Op(name=r.name, phase=r.phase, duration_s=max(0.0, float(d)),
-                      inputs=tuple(r.inputs), outputs=tuple(r.outputs)))
+                      inputs=tuple(r.inputs), outputs=outputs))
     n_params = sum(p.numel() for p in model.parameters())
     meta = {
         "source": "tierflow.capture",
@@ -517,6 +594,7 @@ def _build(state: _State, model: torch.nn.Module, dev: torch.device, hw: Hardwar
         "torch": torch.__version__,
         "param_count": n_params,
         "saved_tensors": state.saved_seq,
+        "workspace": "cuda-allocator" if state.probe_cuda else ("profiler" if ws else None),
         **extra,
     }
     for s in state.slots.values():
