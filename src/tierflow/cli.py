@@ -17,7 +17,13 @@ from .errors import TierflowError
 from .units import fmt_bytes, fmt_seconds
 
 # Command groups that live beside their layer; each module has register(subparsers).
-_EXTENSIONS = ("tierflow.capture.cli", "tierflow.pool.cli", "tierflow.bound", "tierflow.report.cli")
+_EXTENSIONS = (
+    "tierflow.capture.cli",
+    "tierflow.pool.cli",
+    "tierflow.bound",
+    "tierflow.report.cli",
+    "tierflow.runtime.cli",
+)
 
 DEFAULT_POLICIES = ("ideal", "lru", "deepum")
 
