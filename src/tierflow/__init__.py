@@ -15,6 +15,17 @@ from .trace import Gap, Op, TensorInfo, Trace, load_trace
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # ``tierflow.capture`` (callable: ``tierflow.capture(model, batch)``) is imported on
+    # first use so that ``import tierflow`` stays light.
+    if name == "capture":
+        import importlib
+
+        return importlib.import_module(".capture", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "Gap",
     "Hardware",
