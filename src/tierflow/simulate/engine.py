@@ -1,7 +1,9 @@
 """The copy engines: transfers as fluid flows over shared links, buses and tiers.
 
 Every (source tier, destination tier) pair has one copy engine that serves its transfers
-in order (as a CUDA copy stream does). The transfer at the head of each engine first
+in order (as a CUDA copy stream does). Demand faults have a queue of their own beside it:
+a fault is serviced when it happens, as a UVM driver's fault path is, not behind the
+prefetches and evictions already queued on that pair; the two queues share bandwidth. The transfer at the head of each engine first
 waits out its latency, then moves bytes. All moving transfers share bandwidth max-min
 fairly over the resources they cross: each link of their route, each bus those links
 declare, the source tier's read bandwidth and the destination tier's write bandwidth.
@@ -62,7 +64,7 @@ class CopyEngines:
             if tier.write_bw != math.inf:
                 self._resource(f"write:{tier.name}", tier.write_bw)
         self._routes: dict[tuple[str, str], tuple[tuple[int, ...], tuple[str, ...], float]] = {}
-        self._queues: dict[tuple[str, str], deque[Flow]] = {}
+        self._queues: dict[tuple[str, str, bool], deque[Flow]] = {}  # (src, dst, is_fault)
         self.active: list[Flow] = []  # heads of the queues
         self.window_start = math.inf  # traffic is counted from here on
         self.traffic: dict[str, float] = {link.name: 0.0 for link in hw.links}
@@ -105,7 +107,7 @@ class CopyEngines:
             raise ValueError(f"no route from {src} to {dst} on {self.hw.name}")
         f = Flow(tensor, nbytes, src, dst, kind, self.now, latency + extra_latency, res, links, on_done)
         f.remaining = float(nbytes)
-        q = self._queues.setdefault((src, dst), deque())
+        q = self._queues.setdefault((src, dst, kind == "fault"), deque())
         q.append(f)
         if len(q) == 1:
             self._activate(f)
@@ -169,7 +171,7 @@ class CopyEngines:
         f.remaining, f.end_s = 0.0, self.now
         self.active.remove(f)
         self.done.append(f)
-        q = self._queues[(f.src, f.dst)]
+        q = self._queues[(f.src, f.dst, f.kind == "fault")]
         q.popleft()
         if q:
             self._activate(q[0])
