@@ -27,6 +27,10 @@ A tensor is live from the first op that lists it to the last; PyTorch frees a st
 when its last reference drops, which for a saved activation is the backward op that
 consumes it and for a temporary its last reader.
 
+``aten::detach`` is not recorded: it launches no kernel and allocates nothing, and
+autograd issues it or not depending on whether saved-tensor hooks are installed, so
+leaving it out keeps the op list equal to that of the same step run without tierflow.
+
 Durations: on ``meta`` nothing runs, so every op is priced by the roofline cost model
 (:mod:`tierflow.capture.cost`) for a hardware preset; on ``cpu`` each op is timed with
 ``time.perf_counter`` and on ``cuda`` with CUDA events around it.
@@ -139,6 +143,9 @@ def _rank(kind: str) -> int:
     return _KIND_RANK[kind]
 
 
+_DETACH = torch.ops.aten.detach.default
+
+
 class _Mode(TorchDispatchMode):
     """Records every aten op with the storages it reads and writes."""
 
@@ -149,7 +156,7 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.s
-        if s.quiet:
+        if s.quiet or func is _DETACH:
             return func(*args, **kwargs)
         name = func._schema.name
         if s.probe is not None:
