@@ -202,6 +202,24 @@ class Planner:
             keep.append(Offload(o.tensor, o.after_op, o.needed_by, o.wraps, o.tier, q))
         self.offloads = keep
 
+    def delay_prefetches(self) -> None:
+        """Issue a prefetch later where its planned arrival would put an op over the
+        budget (for policies whose prefetch point is fixed by their own rule); no
+        offload is dropped."""
+        order = sorted(range(len(self.offloads)), key=lambda i: self._need_key(self.offloads[i]))
+        for i in order:
+            o = self.offloads[i]
+            size = int(self.sizes[o.tensor])
+            end = o.needed_by + (self.n if o.wraps else 0)
+            w = self.device.window(o.prefetch_after + 1, end - 1)
+            over = np.flatnonzero(w > self.budget)
+            if not over.size:
+                continue
+            q = min(o.prefetch_after + 1 + int(over[-1]), end - 1)
+            self.device.add(o.prefetch_after + 1, q, -size)
+            self.tiers[o.tier].add(o.prefetch_after + 1, q, size)
+            self.offloads[i] = Offload(o.tensor, o.after_op, o.needed_by, o.wraps, o.tier, q)
+
     def _need_key(self, o: Offload) -> tuple[int, int]:
         return (o.needed_by + (self.n if o.wraps else 0), o.tensor)
 
