@@ -156,7 +156,8 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
         label += f", peak {fmt_bytes(peak)}"
         ax.fill_between(grid * k, base, upper, step="post", color=colors[name], alpha=0.85,
                         linewidth=0, label=label)
-        ax.step(grid * k, upper, where="post", color=colors[name], linewidth=0.6)
+        if len(v) and v.max() > 0:
+            ax.step(grid * k, upper, where="post", color=colors[name], linewidth=0.6)
         base = upper
         top = max(top, float(upper.max()) if len(upper) else 0.0)
     cap = hardware.device_capacity / GIB

@@ -345,7 +345,7 @@ def _policy_table(r: Any, m: Any) -> str:
     rows += [
         ["on-demand faults", _e(f"{r.faults} ({fmt_bytes(r.fault_bytes)})")],
         ["planned moves skipped", str(r.skipped_moves)],
-        ["device budget", _e(fmt_bytes(r.budget_bytes))],
+        ["device budget", _e(fmt_bytes(r.budget_bytes)) if math.isfinite(r.budget_bytes) else "unlimited"],
     ]
     if m is not None:
         rows.append([_e(f"{m.source} step"), _e(fmt_seconds(m.time_s))])
@@ -366,7 +366,7 @@ def _hardware_tables(hw: Any) -> str:
     return "\n".join([
         f"<p><b>{_e(hw.name)}</b>: {_e(hw.description)}</p>",
         f'<p class="muted">compute device {_e(hw.device)}: {c.peak_flops_fp32 / 1e12:.1f} TFLOP/s fp32, '
-        f"{c.peak_flops_bf16 / 1e12:.0f} TFLOP/s bf16, {_e(fmt_bandwidth(c.mem_bandwidth))} memory; "
+        f"{c.peak_flops_bf16 / 1e12:.0f} TFLOP/s bf16, {c.mem_bandwidth / 1e9:.0f} GB/s memory; "
         f"on-demand fault latency {_e(fmt_seconds(hw.fault_latency_s))}.</p>",
         _table(["tier", "kind", "capacity", "read", "write", "latency"], tiers),
         _table(["link", "route", "bandwidth", "latency", "shares bus"], links),
