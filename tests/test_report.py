@@ -170,7 +170,7 @@ def test_verdict_measured_against_predicted(setup):
     trace, hw, results = setup
     lru = results[1]
     _, details = verdict(trace, hw, results, {"lru": Measured(time_s=lru.time_s * 1.1)})
-    assert f"lru measured" in " ".join(details) and "(+10.0%)" in " ".join(details)
+    assert "lru measured" in " ".join(details) and "(+10.0%)" in " ".join(details)
 
 
 # -- figures -----------------------------------------------------------------------------
