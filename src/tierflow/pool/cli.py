@@ -1,0 +1,81 @@
+"""``tierflow pool FILE.csv``: plan the offsets of a MiniMalloc CSV."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .._cli_util import console, print_json, progress
+from . import SOLVERS, read_csv, solve, validate, write_csv
+from .problem import PoolError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "pool",
+        help="plan a static memory pool: offsets for buffers of known lifetime (MiniMalloc CSV)",
+        description="Read buffers (id,lower,upper,size), place them in one arena minimising its peak, "
+        "check the result with an independent validator, and optionally write the CSV with offsets.",
+    )
+    p.add_argument("file", help="MiniMalloc CSV: id,lower,upper,size (lifetime [lower, upper))")
+    p.add_argument("--solver", choices=SOLVERS, default="best", help="greedy: by size, best fit; "
+                   "best: anytime search, never worse than greedy; exact: MILP (small problems)")
+    p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds for best/exact (default 10)")
+    p.add_argument("--alignment", type=int, default=1, metavar="B", help="offsets are multiples of B bytes")
+    p.add_argument("--seed", type=int, default=0, help="seed of best's randomised restarts")
+    p.add_argument("-o", "--output", help="write the CSV with an offset column here")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.time_limit < 0:
+        raise PoolError(f"--time-limit must be non-negative, got {args.time_limit}")
+    if args.alignment < 1:
+        raise PoolError(f"--alignment must be at least 1, got {args.alignment}")
+    problem = read_csv(args.file, alignment=args.alignment)
+    t0 = time.perf_counter()
+    show = args.solver == "best" and not args.json and args.time_limit >= 1
+    with progress(f"pool {problem.name}: searching", total=100, enabled=show) as update:
+        sol = solve(problem, solver=args.solver, time_limit=args.time_limit, seed=args.seed,
+                    progress=lambda frac, peak: update(int(frac * 100)))
+    seconds = time.perf_counter() - t0
+    report = validate(problem, sol.offsets, sol.peak)
+    if args.output:
+        write_csv(args.output, problem, sol.offsets)
+    result = {
+        "file": str(Path(args.file)),
+        "buffers": len(problem),
+        "alignment": problem.alignment,
+        "peak": sol.peak,
+        "lower_bound": sol.lower_bound,
+        "ratio": sol.ratio,
+        "solver": sol.solver,
+        "seconds": round(seconds, 3),
+        "valid": report.valid,
+        "optimal": sol.optimal,
+    }
+    if not report.valid:
+        result["errors"] = list(report.errors)
+    if args.output:
+        result["output"] = str(args.output)
+    if args.json:
+        print_json(result)
+    else:
+        from rich.table import Table
+
+        t = Table(title=f"pool {problem.name}", show_header=False)
+        t.add_column("", style="bold")
+        t.add_column("", justify="right")
+        t.add_row("buffers", f"{len(problem):,}")
+        t.add_row("solver", sol.solver)
+        t.add_row("peak", f"{sol.peak:,} B")
+        t.add_row("lower bound", f"{sol.lower_bound:,} B")
+        t.add_row("peak / bound", f"{sol.ratio:.4f}" + (" (optimal)" if sol.optimal else ""))
+        t.add_row("seconds", f"{seconds:.2f}")
+        t.add_row("valid", "yes" if report.valid else "[red]NO[/red]: " + report.errors[0])
+        if args.output:
+            t.add_row("written", str(args.output))
+        console().print(t)
+    return 0 if report.valid else 1

@@ -1,0 +1,90 @@
+"""``exact``: a mixed-integer model solved by HiGHS, for small problems.
+
+Variables: an offset per buffer and the peak; for every pair of buffers live at the same
+time, one binary chooses which lies below the other (big-M disjunction). Minimise the
+peak. Greedy's peak bounds the offsets, which keeps big-M tight; the lower bound is
+added as a constraint on the peak so HiGHS can stop as soon as it meets it. The number
+of binaries grows with the pairs, so this is for problems of a few dozen buffers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ._graph import overlap_pairs
+from .greedy import solve_greedy
+from .problem import PoolError, Problem, Solution, lower_bound, peak_of
+
+MAX_PAIRS = 5000
+
+
+def solve_exact(problem: Problem, time_limit: float = 10.0) -> Solution:
+    """Minimal-peak offsets (proven when HiGHS finishes within the time limit).
+
+    Raises:
+        PoolError: the problem has more than :data:`MAX_PAIRS` overlapping pairs, or
+            highspy is not installed.
+    """
+    t0 = time.perf_counter()
+    try:
+        import highspy
+    except ImportError as e:  # an optional dependency ("solver" extra)
+        raise PoolError(f"solver 'exact' needs highspy (pip install 'tierflow[solver]'): {e}") from None
+    n = len(problem)
+    greedy = solve_greedy(problem)
+    a, b = overlap_pairs(problem.lower, problem.upper)
+    if len(a) > MAX_PAIRS:
+        raise PoolError(f"solver 'exact': {len(a)} overlapping pairs, more than the {MAX_PAIRS} it handles")
+    units = problem.units
+    lb = lower_bound(problem, units=True)
+    big = int((greedy.offsets // problem.alignment + units).max()) if n else 0
+    if n == 0 or big <= lb:
+        greedy.solver, greedy.seconds = "exact", time.perf_counter() - t0
+        greedy.optimal = True
+        return greedy
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(max(time_limit, 0.1)))
+    h.setOptionValue("mip_rel_gap", 0.0)
+    inf = highspy.kHighsInf
+    # columns: offsets 0..n-1, peak n, binaries n+1..n+p
+    for i in range(n):
+        h.addVar(0.0, float(big - units[i]))
+    h.addVar(float(lb), float(big))
+    p = len(a)
+    for _ in range(p):
+        h.addVar(0.0, 1.0)
+    h.changeColsIntegrality(p, np.arange(n + 1, n + 1 + p, dtype=np.int32), np.full(p, highspy.HighsVarType.kInteger))
+    for i in range(n):
+        h.changeColIntegrality(i, highspy.HighsVarType.kInteger)
+    h.changeColCost(n, 1.0)
+    for i in range(n):  # offset_i + size_i <= peak
+        h.addRow(-inf, -float(units[i]), 2, np.array([i, n], dtype=np.int32), np.array([1.0, -1.0]))
+    for k, (i, j) in enumerate(zip(a.tolist(), b.tolist())):
+        z = n + 1 + k
+        # z = 1: i below j (o_i + s_i <= o_j); z = 0: j below i
+        h.addRow(-inf, float(big - units[i]), 3, np.array([i, j, z], dtype=np.int32), np.array([1.0, -1.0, float(big)]))
+        h.addRow(-inf, -float(units[j]), 3, np.array([j, i, z], dtype=np.int32), np.array([1.0, -1.0, -float(big)]))
+    h.run()
+    status = h.getModelStatus()
+    sol = h.getSolution()
+    if not sol.value_valid:
+        greedy.solver, greedy.seconds = "exact", time.perf_counter() - t0
+        greedy.meta = {"status": h.modelStatusToString(status)}
+        return greedy
+    off_units = np.rint(np.asarray(sol.col_value[:n])).astype(np.int64)
+    offsets = off_units * problem.alignment
+    peak = peak_of(problem, offsets)
+    if peak > greedy.peak:  # HiGHS stopped early with a worse incumbent
+        offsets, peak = greedy.offsets, greedy.peak
+    return Solution(
+        offsets=offsets,
+        peak=peak,
+        lower_bound=problem.lower_bound,
+        solver="exact",
+        seconds=time.perf_counter() - t0,
+        optimal=status == highspy.HighsModelStatus.kOptimal or peak == problem.lower_bound,
+        meta={"status": h.modelStatusToString(status), "pairs": p},
+    )
