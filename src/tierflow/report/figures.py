@@ -266,7 +266,11 @@ def comparison_figure(hardware: Any, results: Sequence[Any], *, measured: dict[s
     colors = tier_colors(hardware)
     links = shown_links(hardware, results)
     n = len(results)
-    fig = Figure(figsize=(WIDTH_IN, 1.4 + 0.55 * n), dpi=DPI)
+    # fixed margins in inches: title above, tick labels, axis label and legend below
+    top_in, bottom_in = 0.4, 1.3
+    height = top_in + bottom_in + 0.5 + 0.5 * n
+    below = -0.62 / (height - top_in - bottom_in)  # legend offset, in axes heights
+    fig = Figure(figsize=(WIDTH_IN, height), dpi=DPI)
     ax, lx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1.0], "wspace": 0.35})
     finite = [r.time_s for r in results if math.isfinite(r.time_s)]
     finite += [m.time_s for m in measured.values()]
@@ -303,7 +307,7 @@ def comparison_figure(hardware: Any, results: Sequence[Any], *, measured: dict[s
         from matplotlib.lines import Line2D
 
         handles.append(Line2D([], [], marker="D", color=MEASURED_COLOR, linestyle="none", label="measured step"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.32 if n > 2 else -0.5),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below),
               ncol=2, fontsize=8, frameon=False)
 
     # traffic per link: the off-device tier's colour; hatched when leaving the device
@@ -321,11 +325,11 @@ def comparison_figure(hardware: Any, results: Sequence[Any], *, measured: dict[s
     lx.set_title("traffic per link", loc="left", fontsize=10.5)
     lx.grid(axis="x", alpha=0.3)
     if links:
-        lx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.32 if n > 2 else -0.5), ncol=2, fontsize=8,
+        lx.legend(loc="upper center", bbox_to_anchor=(0.5, below), ncol=2, fontsize=8,
                   frameon=False)
     else:
         lx.text(0.5, 0.5, "nothing moved", transform=lx.transAxes, ha="center", va="center", color="#666666")
-    fig.subplots_adjust(left=0.08, right=0.97, top=0.9, bottom=0.5 if n <= 2 else 0.36)
+    fig.subplots_adjust(left=0.08, right=0.97, top=1 - top_in / height, bottom=bottom_in / height)
     return fig
 
 
