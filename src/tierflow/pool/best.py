@@ -42,8 +42,11 @@ def solve_best(problem: Problem, time_limit: float = 10.0, progress: Progress | 
     """
     t0 = time.perf_counter()
     deadline = t0 + max(0.0, time_limit)
-    n = len(problem)
-    lower, upper, units = problem.lower, problem.upper, problem.units
+    # empty buffers occupy no byte: they sit at offset 0 and stay out of the search
+    # (their zero height would defeat its dominance rule)
+    keep = np.flatnonzero(problem.units > 0)
+    lower, upper, units = problem.lower[keep], problem.upper[keep], problem.units[keep]
+    n = len(keep)
     lb_units = lower_bound(problem, units=True)
     meta: dict = {"heuristics": {}, "attempts": []}
     report = progress or (lambda frac, peak: None)
@@ -52,7 +55,8 @@ def solve_best(problem: Problem, time_limit: float = 10.0, progress: Progress | 
         return int((off_units + units).max()) if n else 0
 
     # 1. heuristics: greedy first, so best is never worse than it
-    best_off = best_fit(lower, upper, units, size_order(problem))
+    greedy_all = best_fit(problem.lower, problem.upper, problem.units, size_order(problem))
+    best_off = greedy_all[keep]
     best_cost = cost(best_off)
     best_from = "greedy"
     meta["heuristics"]["greedy"] = best_cost
@@ -100,7 +104,8 @@ def solve_best(problem: Problem, time_limit: float = 10.0, progress: Progress | 
         first = False
         report(_frac(t0, time_limit), best_cost * problem.alignment)
 
-    offsets = best_off * problem.alignment
+    offsets = np.zeros(len(problem), dtype=np.int64)
+    offsets[keep] = best_off * problem.alignment
     peak = peak_of(problem, offsets)
     meta.update(nodes=nodes, found_by=best_from)
     return Solution(

@@ -17,9 +17,8 @@ from .problem import Problem, Solution, peak_of
 
 def size_order(problem: Problem) -> np.ndarray:
     """SmartPool's order: cross-iteration blocks first, then by size, largest first;
-    ties by longer lifetime, then earlier start, then input order."""
-    length = problem.upper - problem.lower
-    return np.lexsort((np.arange(len(problem)), problem.lower, -length, -problem.units, ~problem.cross_iteration))
+    ties by earlier start, then input order."""
+    return np.lexsort((np.arange(len(problem)), problem.lower, -problem.units, ~problem.cross_iteration))
 
 
 def best_fit(lower: np.ndarray, upper: np.ndarray, units: np.ndarray, order: np.ndarray) -> np.ndarray:

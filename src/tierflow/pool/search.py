@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._graph import neighbours
+
 _INF = np.int64(2**62)
 
 # above this many buffers the per-section floor of unplaced buffers costs more than it saves
@@ -138,6 +140,8 @@ def feasible(
     n = len(lower)
     if n == 0:
         return Outcome(np.zeros(0, dtype=np.int64), False, 0)
+    if int(units.min()) <= 0:
+        raise ValueError("feasible() needs positive sizes; place empty buffers at 0 beforehand")
     if int(sec.total.max(initial=0)) > capacity or int(units.max()) > capacity:
         return Outcome(None, True, 0)
     s = _Search(lower, upper, units, capacity, order, sec, members, deadline, node_limit)
@@ -174,6 +178,8 @@ class _Search:
         self.s0_l, self.s1_l = sec.s0.tolist(), sec.s1.tolist()
         self.members = members
         self.wide = members is None
+        # explicit neighbour lists where they are small; a vectorised scan otherwise
+        self.ptr, self.adj = neighbours(lower, upper) if n <= STRONG_LIMIT else (None, None)
         self.by_lower = np.argsort(lower, kind="stable")
         self.deadline = deadline
         self.node_limit = node_limit
@@ -190,10 +196,14 @@ class _Search:
         self.total[a:z] -= self.sz_l[b]
         old_floor = self.floor[a:z].copy()
         np.maximum(self.floor[a:z], h, out=self.floor[a:z])
-        n = self.n
-        hit = np.flatnonzero(
-            (self.lower < self.up_l[b]) & (self.upper > self.lo_l[b]) & (self.minoff[:n] < h) & ~self.placed[:n]
-        )
+        if self.adj is not None:
+            nb = self.adj[self.ptr[b] : self.ptr[b + 1]]
+            hit = nb[(self.minoff[nb] < h) & ~self.placed[nb]]
+        else:
+            n = self.n
+            hit = np.flatnonzero(
+                (self.lower < self.up_l[b]) & (self.upper > self.lo_l[b]) & (self.minoff[:n] < h) & ~self.placed[:n]
+            )
         old_min = self.minoff[hit].copy()
         self.minoff[hit] = h
         self.trail.append((b, a, z, old_floor, hit, old_min))
@@ -260,7 +270,14 @@ class _Search:
             return True
         a = int(self.s0[part].min())
         z = int(self.s1[part].max())
+        # Every buffer placed from here sits at or above the offset it is placed at, so
+        # placing one at o leaves each section needing o + its unplaced total: a
+        # candidate at o fails when o + the part's largest section total exceeds the
+        # capacity, and so does every later (higher) candidate.
+        slack = self.capacity - int(self.total[a:z].max())
         for b in self.candidates(part, cur, cur_rank).tolist():
+            if int(self.minoff[b]) > slack:
+                break
             self.nodes += 1
             if self.nodes >= self.node_limit or (self.nodes & 63 == 0 and time.perf_counter() > self.deadline):
                 raise _Abort
