@@ -1,0 +1,344 @@
+"""``deeptm``: DeepTM (Zhou, Rang, Chen, Zhou, Cheng; IEEE TPDS 35(11), 2024), tensor
+management for a fast-small + slow-large memory hierarchy (DRAM + persistent memory in
+the paper; GPU memory + host/SSD here, DRAM + PMem on ``cpu-dram-pmem``).
+
+Its parts, as built here:
+
+1. **Page-level aggregation.** Tensors smaller than a page (``page_bytes``, 2 MiB by
+   default) whose idle gaps open and close at the same ops are packed into pages
+   (first fit, largest first); a page moves as one unit, and so does a large tensor
+   (contiguous migration: all its bytes in one transfer). Small tensors alone would pay
+   a latency per transfer and, on PM, read-modify-write of partial pages.
+2. **Tensor heat** from four characteristics of a unit's gap, each scaled to [0, 1]
+   over the candidates: size (small is hot), access frequency (uses per iteration;
+   frequent is hot), gap length (short is hot) and recency (time since the access
+   before the gap opened; recent is hot). ``heat = w . features`` with weights ``w``
+   on the simplex.
+3. **Placement as an integer linear program**: one binary per (unit, slow tier); each
+   unit goes to at most one tier; at every op the units off the device must cover the
+   bytes above the budget, and no slow tier may overflow; the cost of a unit is its
+   round-trip transfer time (the route's latency and bandwidth), weighted up by its
+   heat, plus the part of it its gap cannot hide. It is solved by HiGHS
+   (``scipy.optimize.milp``), with the over-budget ops added as rows in rounds
+   (cutting planes) until the whole memory curve holds. Then each prefetch is issued
+   as early as the budget allows.
+4. **Weights learned by reinforcement learning against the simulator**: a seeded
+   Gaussian policy over the weights' logits (REINFORCE with a running baseline); an
+   episode = build the plan with sampled weights, simulate it, reward = ideal / step
+   time. Episode 0 uses equal weights, and the best plan seen is returned, so learning
+   never makes the plan worse than the untuned one.
+
+Options:
+    page_bytes (int): aggregation page (default 2 MiB). Larger pages mean fewer,
+        bigger transfers but move bytes that did not need to move.
+    tiers (str): comma-separated slow tiers (default: every offload tier).
+    episodes (int): RL episodes (default 4; 1 = no learning). Each costs one ILP and
+        one simulation.
+    time_budget_s (float): do not start an episode that would end after this many
+        seconds of planning, judged by the mean episode so far (default 5 s). It only
+        cuts episodes short; when it does, ``meta["rl_cut"]`` says so, and the
+        plan may then depend on the machine's speed.
+    node_limit (int): branch-and-bound nodes per ILP solve (default 500; a node limit
+        rather than a time limit keeps plans a function of the inputs).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import PlanError
+from ..hardware import Hardware
+from ..plan import Plan
+from ..trace import Gap, Trace
+from . import PolicyOptions, register
+from ._common import Planner, gap_end, gap_ops, no_fit
+
+N_FEATURES = 4  # size, frequency, gap length, recency
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Tensors that share one gap and move together (a page, or one large tensor)."""
+
+    gaps: tuple[Gap, ...]
+    after_op: int
+    end: int  # closing use, unwrapped
+    nbytes: int
+    features: tuple[float, float, float, float]  # hot-is-high, each in [0, 1]
+
+
+def build_units(trace: Trace, budget: float, page_bytes: int) -> list[Unit]:
+    """Candidate gaps that cover an op over the budget, aggregated into pages."""
+    n = trace.n_ops
+    live = trace.live_bytes
+    over = live > budget
+    if not over.any():
+        return []
+    over2 = np.concatenate([over, over])
+    pre = np.concatenate([[0], np.cumsum(over2)])
+    sizes = trace.sizes
+    groups: dict[tuple[int, int], list[Gap]] = {}
+    for g in trace.gaps:
+        end = gap_end(g, n)
+        if gap_ops(g, n) < 1 or pre[end] - pre[g.after_op + 1] == 0 or sizes[g.tensor] == 0:
+            continue
+        groups.setdefault((g.after_op, end), []).append(g)
+    raw: list[tuple[tuple[Gap, ...], int, int]] = []
+    for (a, end), gs in sorted(groups.items()):
+        small = sorted((g for g in gs if sizes[g.tensor] < page_bytes), key=lambda g: (-sizes[g.tensor], g.tensor))
+        for g in gs:
+            if sizes[g.tensor] >= page_bytes:
+                raw.append(((g,), a, end))
+        pages: list[list[Gap]] = []
+        fill: list[int] = []
+        for g in small:  # first fit, largest first
+            s = int(sizes[g.tensor])
+            for k in range(len(pages)):
+                if fill[k] + s <= page_bytes:
+                    pages[k].append(g)
+                    fill[k] += s
+                    break
+            else:
+                pages.append([g])
+                fill.append(s)
+        raw += [(tuple(pg), a, end) for pg in pages]
+    # features
+    start2 = np.concatenate([trace.op_start_s[:-1], trace.op_start_s[:-1] + trace.ideal_s, [2 * trace.ideal_s]])
+    uses_per_tensor = np.bincount(
+        np.fromiter((t for ts in trace.op_tensors for t in ts), dtype=np.int64), minlength=trace.n_tensors
+    )
+    nbytes = np.array([sum(int(sizes[g.tensor]) for g in gs) for gs, _, _ in raw], dtype=np.float64)
+    freq = np.array([np.mean([uses_per_tensor[g.tensor] for g in gs]) for gs, _, _ in raw], dtype=np.float64)
+    length = np.array([gs[0].length_s for gs, _, _ in raw], dtype=np.float64)
+    rec = np.empty(len(raw))
+    for i, (gs, a, _) in enumerate(raw):
+        u = trace.uses(gs[0].tensor)
+        k = int(np.searchsorted(u, a))
+        prev = int(u[k - 1]) if k > 0 else a
+        rec[i] = start2[a] - start2[prev]
+
+    def scale(x: np.ndarray) -> np.ndarray:
+        lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 0.0)
+        return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
+
+    feats = np.stack(
+        [1 - scale(np.log1p(nbytes)), scale(freq), 1 - scale(length), 1 - scale(rec)], axis=1
+    ) if raw else np.zeros((0, N_FEATURES))
+    return [Unit(gs, a, end, int(nbytes[i]), tuple(float(f) for f in feats[i])) for i, (gs, a, end) in enumerate(raw)]
+
+
+class _Ilp:
+    """The placement ILP of one (trace, hardware, budget), re-solved per weight vector."""
+
+    def __init__(self, trace: Trace, hw: Hardware, budget: float, units: list[Unit], tiers: tuple[str, ...], node_limit: int):
+        from scipy import sparse
+
+        self.trace, self.hw, self.budget, self.units, self.tiers = trace, hw, budget, units, tiers
+        self.node_limit = node_limit
+        n, U = trace.n_ops, len(units)
+        self.n = n
+        a = np.array([u.after_op for u in units], dtype=np.int64)
+        end = np.array([u.end for u in units], dtype=np.int64)
+        lens = end - a - 1
+        total = int(lens.sum())
+        offs = np.repeat(np.cumsum(lens) - lens, lens)
+        rows = (np.repeat(a + 1, lens) + np.arange(total) - offs) % n
+        cols = np.repeat(np.arange(U), lens)
+        self.cover = sparse.csr_matrix((np.ones(total), (rows, cols)), shape=(n, U))
+        self.size = np.array([u.nbytes for u in units], dtype=np.float64)
+        self.deficit = trace.live_bytes.astype(np.float64) - budget
+        self.caps = np.array([hw.tier(t).capacity for t in tiers], dtype=np.float64)
+        gap_s = np.array([u.gaps[0].length_s for u in units])
+        # round trip per unit and tier: route latency + bytes / bandwidth, both ways
+        rt = np.empty((U, len(tiers)))
+        for k, t in enumerate(tiers):
+            bw_out, bw_in = hw.route_bandwidth(hw.device, t), hw.route_bandwidth(t, hw.device)
+            lat = hw.route_latency(hw.device, t) + hw.route_latency(t, hw.device)
+            rt[:, k] = lat + self.size / bw_out + self.size / bw_in
+        self.rt = rt
+        self.exposed = np.maximum(rt - gap_s[:, None], 0.0)
+
+    def solve(self, weights: np.ndarray) -> tuple[np.ndarray, str]:
+        """(tier index per unit or -1; all -2 when infeasible, and how it was solved).
+
+        Each round solves the LP relaxation over the current rows, fixes the variables
+        it leaves integral, and solves the remaining binaries exactly as a MIP (HiGHS);
+        the covering structure leaves only a handful fractional, so this is the ILP's
+        optimum in practice at a fraction of a full branch-and-cut's time. Rows where the
+        whole curve is still violated are added and the round repeats."""
+        from scipy import sparse
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        U, K = len(self.units), len(self.tiers)
+        feats = np.array([u.features for u in self.units]).reshape(U, N_FEATURES)
+        heat = feats @ weights
+        # seconds: moving a hot unit costs more than its transfers, an exposed one more still
+        cost = self.rt * (1.0 + heat[:, None]) + 4.0 * self.exposed
+        c = np.concatenate([cost[:, k] for k in range(K)])  # x laid out tier-major
+        over = np.flatnonzero(self.deficit > 0)
+        rows = set(over[np.linspace(0, over.size - 1, min(over.size, 96)).astype(int)].tolist())
+        rows.add(int(np.argmax(self.deficit)))
+        one = LinearConstraint(sparse.hstack([sparse.identity(U)] * K).tocsr(), lb=0, ub=1)
+        free_total = 0
+        for _ in range(12):
+            r = np.array(sorted(rows))
+            Cs = self.cover[r].multiply(self.size[None, :]).tocsr()
+            cons = [LinearConstraint(sparse.hstack([Cs] * K).tocsr(), lb=self.deficit[r], ub=np.inf), one]
+            for k in range(K):
+                if math.isfinite(self.caps[k]):
+                    blocks = [Cs if j == k else sparse.csr_matrix((len(r), U)) for j in range(K)]
+                    cons.append(LinearConstraint(sparse.hstack(blocks).tocsr(), lb=-np.inf, ub=self.caps[k]))
+            lp = milp(c, constraints=cons, integrality=np.zeros(U * K), bounds=Bounds(0, 1))
+            if lp.x is None:
+                return np.full(U, -2), "infeasible"
+            lo = (lp.x > 1 - 1e-6).astype(float)
+            hi = (lp.x > 1e-6).astype(float)
+            free_total += int((hi - lo).sum())
+            res = milp(
+                c, constraints=cons, integrality=np.ones(U * K), bounds=Bounds(lo, hi),
+                options={"node_limit": self.node_limit, "mip_rel_gap": 1e-4},
+            )
+            if res.x is None:  # fixing cut off every integer point: solve it whole
+                res = milp(
+                    c, constraints=cons, integrality=np.ones(U * K), bounds=Bounds(0, 1),
+                    options={"node_limit": self.node_limit, "mip_rel_gap": 1e-2},
+                )
+            if res.x is None:
+                return self._greedy(cost), "greedy (the ILP found no solution within its node limit)"
+            x = np.round(res.x).reshape(K, U).T
+            choice = np.where(x.max(axis=1) > 0.5, x.argmax(axis=1), -1)
+            bad = self._violations(choice)
+            if not bad.size:
+                return choice, f"highs: LP relaxation, then MIP over its {free_total} fractional binaries"
+            rows.update(bad.tolist())
+        return self._greedy(cost), "greedy (cutting planes did not converge)"
+
+    def _violations(self, choice: np.ndarray) -> np.ndarray:
+        on = (choice >= 0) * self.size
+        over = self.deficit - self.cover @ on > 0.5
+        for k in range(len(self.tiers)):
+            occ = self.cover @ ((choice == k) * self.size)
+            over |= occ > self.caps[k]
+        bad = np.flatnonzero(over)
+        if bad.size > 64:  # add the worst ones and a spread of the rest
+            bad = bad[np.linspace(0, bad.size - 1, 64).astype(int)]
+        return bad
+
+    def _greedy(self, cost: np.ndarray) -> np.ndarray:
+        """Cheapest bytes first until the curve holds (a fallback, said in meta)."""
+        U = len(self.units)
+        choice = np.full(U, -1)
+        best_k = cost.argmin(axis=1)
+        order = np.lexsort((np.arange(U), cost[np.arange(U), best_k] / np.maximum(self.size, 1)))
+        cover = self.cover.tocsc()
+        left = self.deficit.copy()
+        occ = np.zeros((len(self.tiers), self.n))
+        for u in order.tolist():
+            if (left <= 0).all():
+                break
+            col = cover[:, u].indices
+            if not (left[col] > 0).any():
+                continue
+            for k in np.argsort(cost[u], kind="stable").tolist():
+                if (occ[k, col] + self.size[u] <= self.caps[k]).all():
+                    choice[u] = k
+                    occ[k, col] += self.size[u]
+                    left[col] -= self.size[u]
+                    break
+        return choice
+
+
+def _plan_from(trace: Trace, hw: Hardware, budget: float, units: list[Unit], tiers: tuple[str, ...], choice: np.ndarray, meta: dict) -> Plan:
+    p = Planner(trace, hw, budget)
+    for u, k in zip(units, choice.tolist()):
+        if k >= 0:
+            for g in u.gaps:  # a page's tensors leave together and come back together
+                p.take(g, tiers[k])
+    if not p.fits():
+        raise p.no_fit("deeptm", f"with {len(p.offloads)} tensors placed by the ILP")
+    p.place_prefetches()
+    return p.plan("deeptm", meta)
+
+
+@register("deeptm")
+def deeptm(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
+    """DeepTM's plan (see the module docstring).
+
+    Args:
+        trace: the iteration.
+        hardware: the machine; its offload tiers are DeepTM's slow memory.
+        options: ``episodes`` and ``time_budget_s`` bound the learning (each episode is
+            an ILP solve and a simulation); ``page_bytes`` sets the aggregation;
+            ``tiers`` restricts the slow tiers; ``node_limit`` bounds each solve.
+
+    Raises:
+        PlanError: no placement meets the budget (the slow tiers cannot hold enough, or
+            the bytes live at some op exceed the budget in ways no gap can relieve).
+
+    Example:
+        >>> make_plan("deeptm", trace, load_hardware("cpu-dram-pmem"), budget="64GiB", episodes=6)  # doctest: +SKIP
+    """
+    from ..simulate import simulate
+
+    t0 = time.perf_counter()
+    budget = float(options.budget_bytes)
+    page = int(options.get("page_bytes", 2 * 2**20))
+    tiers_opt = options.get("tiers", None)
+    tiers = tuple(str(tiers_opt).split(",")) if tiers_opt else hardware.offload_tiers
+    for t in tiers:
+        hardware.tier(t)
+    episodes = max(1, int(options.get("episodes", 4)))
+    time_budget = float(options.get("time_budget_s", 5.0))
+    node_limit = int(options.get("node_limit", 500))
+
+    units = build_units(trace, budget, page)
+    if not units:
+        if trace.peak_live_bytes > budget:
+            raise no_fit("deeptm", trace, hardware, budget, "no inactive gap covers the ops over the budget", trace.live_bytes)
+        return Plan("deeptm", (), budget_bytes=budget, meta={"units": 0, "episodes": 0})
+    ilp = _Ilp(trace, hardware, budget, units, tiers, node_limit)
+    rng = np.random.default_rng(options.seed)
+    theta = np.zeros(N_FEATURES)  # logits of the weights; softmax(0) = equal weights
+    sigma, lr = 0.5, 2.0
+    baseline = None
+    best: tuple[float, int, Plan] | None = None
+    history = []
+    cut = False
+    last_err: PlanError | None = None
+    for ep in range(episodes):
+        spent = time.perf_counter() - t0
+        if ep and spent + spent / ep > time_budget:  # the next episode would overrun
+            cut = True
+            break
+        eps = rng.normal(0.0, sigma, N_FEATURES) if ep else np.zeros(N_FEATURES)
+        w = np.exp(theta + eps)
+        w /= w.sum()
+        choice, how = ilp.solve(w)
+        if (choice == -2).all():
+            raise no_fit("deeptm", trace, hardware, budget, f"the placement ILP over {len(units)} units and tiers {', '.join(tiers)} is infeasible", trace.live_bytes)
+        meta = {"units": len(units), "tiers": list(tiers), "weights": [round(float(x), 4) for x in w], "solver": how}
+        try:
+            plan = _plan_from(trace, hardware, budget, units, tiers, choice, meta)
+        except PlanError as e:
+            last_err = e
+            continue
+        reward = simulate(trace, hardware, plan).ratio
+        history.append(round(float(reward), 4))
+        if best is None or reward > best[0]:
+            best = (reward, ep, plan)
+        # REINFORCE on the logits with a running-mean baseline
+        if baseline is None:
+            baseline = reward
+        else:
+            theta = theta + lr * (reward - baseline) * eps / sigma**2
+            baseline = 0.7 * baseline + 0.3 * reward
+    if best is None:
+        assert last_err is not None
+        raise last_err
+    reward, ep, plan = best
+    plan.meta.update({"episodes": len(history), "rewards": history, "best_episode": ep, "rl_cut": cut})
+    return plan
