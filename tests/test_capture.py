@@ -272,3 +272,18 @@ def test_hugging_face_model_from_config():
     s = summarize(tr)
     assert s["param_bytes"] == 4 * n and s["optimizer_bytes"] == 8 * n and s["grad_bytes"] == 4 * n
     assert any(t.kind == "activation" for t in tr.tensors)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+def test_zoo_parameter_counts_equal_hugging_face_models():
+    import transformers as tf
+
+    cases = {
+        "gpt2-medium": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=24, n_embd=1024, n_head=16)),
+        "bert-base": lambda: tf.BertForMaskedLM(tf.BertConfig()),
+        "vit-b16": lambda: tf.ViTForImageClassification(tf.ViTConfig(num_labels=1000)),
+    }
+    for name, make in cases.items():
+        with torch.device("meta"):
+            hf = make()
+        assert zoo.param_count(hf) == zoo.param_count(zoo.build(name, device="meta").model), name
