@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from g10_baselines import CASES, G10_COLUMN, read_published  # noqa: E402
+from g10_baselines import CASES, G10_COLUMN, TRAFFIC_ROWS, read_published  # noqa: E402
 from tierflow import load_hardware, load_trace  # noqa: E402
 from tierflow.formats.g10_plan import load_g10_plan  # noqa: E402
 from tierflow.policies import make_plan, policy_names  # noqa: E402
@@ -53,11 +53,11 @@ def main() -> None:
     args = ap.parse_args()
     g10 = Path(args.g10)
     hw = load_hardware(args.hardware)
-    ratios, _ = read_published(g10)
+    ratios, traffic = read_published(g10)
     rows = args.policies.split(",") if args.policies else policy_names() + [ACCOUNTING, REPLAY]
 
     cell: dict[tuple[str, str], str] = {}
-    timing, errors = [], []
+    timing, errors, pages = [], [], []
     for case, label in CASES:
         trace = load_trace(g10 / case)
         for row in rows:
@@ -79,6 +79,13 @@ def main() -> None:
             pub = ratios[label].get(COLUMN.get(row.partition(":")[0] if row != REPLAY else row, ""))
             shown = "" if pub is None else (" / inf" if pub == 0 else f" / {pub:.3f}")  # inf: G10 cannot run it
             cell[(row, case)] = ours + shown
+            if row.startswith("g10"):
+                pub_t = traffic[label]["prefetch_lru"]
+                pages.append(
+                    f"| {case} | {row} | "
+                    + " | ".join(f"{res.traffic_bytes.get(d, 0) / 4096 / 1e6:.3f} / {pub_t[d] / 1e6:.3f}" for d in TRAFFIC_ROWS)
+                    + " |"
+                )
             timing.append(f"| {case} | {trace.n_ops} | {row} | {plan_s:.2f} | {sim_s:.2f} |")
             print(f"{case} {row}: {cell[(row, case)]} (plan {plan_s:.2f} s, simulate {sim_s:.2f} s)", file=sys.stderr, flush=True)
 
@@ -94,6 +101,11 @@ def main() -> None:
     if errors:
         print("\nFailures:\n")
         print("\n".join(errors))
+    if pages:
+        print("\nTraffic per iteration of the g10 rows, millions of 4 KiB pages, ours / G10 published:\n")
+        print("| case | row | " + " | ".join(TRAFFIC_ROWS) + " |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(pages))
     print("\nSeconds to plan and to simulate (two iterations):\n")
     print("| case | kernels | policy | plan s | simulate s |")
     print("|---|---|---|---|---|")
