@@ -124,6 +124,7 @@ class Planner:
         self.device = Curve(trace.live_bytes)
         self.tiers = {t: Curve(np.zeros(self.n, dtype=np.int64)) for t in hardware.offload_tiers}
         self.offloads: list[Offload] = []
+        self.refused = 0  # offloads no allowed tier had room for
 
     # -- choosing gaps -------------------------------------------------------------------
     def excess(self) -> int:
@@ -170,6 +171,7 @@ class Planner:
             self.tiers[tier].add(g.after_op + 1, q, size)
             self.offloads.append(Offload(g.tensor, g.after_op, g.before_op, g.wraps, tier, q))
             return tier
+        self.refused += 1
         return None
 
     # -- when tensors come back ----------------------------------------------------------
@@ -246,6 +248,12 @@ class Planner:
 
     def no_fit(self, policy: str, what: str) -> PlanError:
         """The error to raise when the paper's plan cannot meet the budget."""
+        if self.refused:
+            what += f" ({self.refused} more found no room: " + ", ".join(
+                f"{t} holds {fmt_bytes(self.hw.tier(t).capacity)}"
+                for t in self.tiers
+                if np.isfinite(self.hw.tier(t).capacity)
+            ) + ")"
         return no_fit(policy, self.trace, self.hw, self.budget, what, self.device.v, self.tiers)
 
 
