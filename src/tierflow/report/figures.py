@@ -91,7 +91,7 @@ def shown_links(hardware: Any, results: Sequence[Any]) -> list[str]:
 
 
 def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[str] | None = None,
-                    links: Sequence[str] | None = None, measured: Any = None, buckets: int = 1400):
+                    links: Sequence[str] | None = None, measured: Any = None, buckets: int = 1000):
     """One policy's simulated step: memory per tier, compute with stalls, link Gantt.
 
     Args:
@@ -154,10 +154,12 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
         label = name + (" (device)" if name == hardware.device else "")
         peak = result.peak_bytes.get(name, 0)
         label += f", peak {fmt_bytes(peak)}"
-        ax.fill_between(grid * k, base, upper, step="post", color=colors[name], alpha=0.85,
-                        linewidth=0, label=label)
         if len(v) and v.max() > 0:
+            ax.fill_between(grid * k, base, upper, step="post", color=colors[name], alpha=0.85,
+                            linewidth=0, label=label)
             ax.step(grid * k, upper, where="post", color=colors[name], linewidth=0.6)
+        else:  # an empty layer: in the legend (so every policy lists the same tiers), not drawn
+            ax.fill_between([], [], [], color=colors[name], alpha=0.85, linewidth=0, label=label)
         base = upper
         top = max(top, float(upper.max()) if len(upper) else 0.0)
     cap = hardware.device_capacity / GIB

@@ -23,7 +23,9 @@ h1{font-size:1.5rem;margin:.2rem 0 .6rem}h2{font-size:1.15rem;margin:1.6rem 0 .5
 .verdict{background:#f3f7fb;border-left:4px solid #4C72B0;padding:.6rem 1rem;margin:.6rem 0}
 .verdict .head{font-size:1.1rem;font-weight:600}.verdict ul{margin:.4rem 0 0;padding-left:1.2rem}
 table{border-collapse:collapse;font-size:.86rem;margin:.4rem 0}
-th,td{border-bottom:1px solid #e3e3e3;padding:.25rem .6rem;text-align:right;white-space:nowrap}
+.scroll{overflow-x:auto;max-width:100%}
+th,td{border-bottom:1px solid #e3e3e3;padding:.25rem .5rem;text-align:right;white-space:nowrap}
+th{white-space:normal;vertical-align:bottom}
 th:first-child,td:first-child{text-align:left}th{background:#fafafa}
 .no{color:#c1121f;font-weight:600}.yes{color:#2b8a3e;font-weight:600}
 figure{margin:.4rem 0}figure img{width:100%;height:auto;display:block}
@@ -291,13 +293,13 @@ def _trace_line(trace: Any) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], caption: str | None = None) -> str:
-    out = ["<table>"]
+    out = ['<div class="scroll"><table>']
     if caption:
         out.append(f'<caption class="muted" style="caption-side:bottom;text-align:left">{_e(caption)}</caption>')
     out.append("<tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>")
     for row in rows:
         out.append("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>")
-    out.append("</table>")
+    out.append("</table></div>")
     return "\n".join(out)
 
 
