@@ -35,7 +35,7 @@ Options:
     episodes (int): RL episodes (default 4; 1 = no learning). Each costs one ILP and
         one simulation.
     time_budget_s (float): do not start an episode that would end after this many
-        seconds of planning, judged by the mean episode so far (default 5 s). It only
+        seconds of planning, judged by the mean episode so far (default 4 s). It only
         cuts episodes short; when it does, ``meta["rl_cut"]`` says so, and the
         plan may then depend on the machine's speed.
     node_limit (int): branch-and-bound nodes per ILP solve (default 500; a node limit
@@ -292,7 +292,7 @@ def deeptm(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     for t in tiers:
         hardware.tier(t)
     episodes = max(1, int(options.get("episodes", 4)))
-    time_budget = float(options.get("time_budget_s", 5.0))
+    time_budget = float(options.get("time_budget_s", 4.0))
     node_limit = int(options.get("node_limit", 500))
 
     units = build_units(trace, budget, page)
