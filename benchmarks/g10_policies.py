@@ -4,7 +4,7 @@
 
 Besides the registry's policies it runs two G10 rows: G10's own plan
 (``prefetch_guide.config``) replayed in tierflow's simulator, and ``g10`` planned with
-G10's own bookkeeping (``g10_accounting=1``). Prints markdown: the ratio of ideal per
+the machine's real figures instead of G10's own bookkeeping (``g10_accounting=0``). Prints markdown: the ratio of ideal per
 case (ours / G10's published column where G10 has one), G10's published columns that
 have no tierflow counterpart, and the seconds to plan and to simulate each case on this
 machine. Published numbers are read from G10's files (``read_published``), never
@@ -28,7 +28,7 @@ from tierflow.policies import make_plan, policy_names  # noqa: E402
 from tierflow.simulate import simulate  # noqa: E402
 
 REPLAY = "g10 plan replayed"
-ACCOUNTING = "g10:g10_accounting=1"
+ACCOUNTING = "g10:g10_accounting=0"
 COLUMN = dict(G10_COLUMN, **{REPLAY: "prefetch_lru", ACCOUNTING: "prefetch_lru"})
 PUBLISHED_ONLY = ("G10GDSSSD", "G10GDSFULL")  # G10-GDS, G10-Host
 
