@@ -51,7 +51,8 @@ def test_refuses_a_budget_below_the_minimum_working_set():
 
 
 def test_nothing_moves_when_the_step_fits_under_the_line():
-    plan = make_plan("g10", TRACE, HW, budget=int(TRACE.peak_live_bytes / 0.99) + 4096)
+    # with the real memory curve (G10's own books count one tensor twice)
+    plan = make_plan("g10", TRACE, HW, budget=int(TRACE.peak_live_bytes / 0.99) + 4096, g10_accounting=False)
     assert plan.moves == ()
 
 
