@@ -320,3 +320,24 @@ def test_import_stays_light():
             "print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_small_budget_scales_to_the_data_and_measured_is_drawn(setup):
+    from tierflow.report.figures import timeline_figure
+
+    trace, hw, results = setup
+    lru = results[1]
+    t, b = lru.memory["gpu"]
+    m = Measured(time_s=lru.time_s, memory={"gpu": (t, b * 0.9)}, source="A100 run")
+    mem = timeline_figure(trace, hw, lru, measured=m).axes[0]
+    texts = [x.get_text() for x in mem.get_legend().get_texts()]
+    # the 24 GiB device would squash a ~1 GiB budget: capacity goes to the legend only
+    assert mem.get_ylim()[1] < 0.2 * hw.device_capacity / GIB
+    assert any("capacity" in x and "off the scale" in x for x in texts)
+    assert any(x.startswith("budget ") for x in texts) and "A100 run gpu" in texts
+    line = next(ln for ln in mem.get_lines() if ln.get_label() == "A100 run gpu")
+    assert max(line.get_ydata()) == pytest.approx(b.max() * 0.9 / GIB)
+    # at the full device the capacity line is drawn
+    full = simulate(trace, hw, make_plan("lru", trace, hw))
+    texts = [x.get_text() for x in timeline_figure(trace, hw, full).axes[0].get_legend().get_texts()]
+    assert "gpu capacity 24.00 GiB" in texts

@@ -162,12 +162,11 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
             ax.fill_between([], [], [], color=colors[name], alpha=0.85, linewidth=0, label=label)
         base = upper
         top = max(top, float(upper.max()) if len(upper) else 0.0)
-    cap = hardware.device_capacity / GIB
-    ax.axhline(cap, color="#222222", linestyle="--", linewidth=1.2,
-               label=f"{hardware.device} capacity {fmt_bytes(hardware.device_capacity)}")
-    if math.isfinite(result.budget_bytes) and result.budget_bytes < hardware.device_capacity * 0.999:
-        ax.axhline(result.budget_bytes / GIB, color="#222222", linestyle=":", linewidth=1.2,
-                   label=f"budget {fmt_bytes(result.budget_bytes)}")
+    budget = result.budget_bytes / GIB if math.isfinite(result.budget_bytes) else math.inf
+    show_budget = budget < hardware.device_capacity / GIB * 0.999
+    if show_budget:
+        ax.axhline(budget, color="#222222", linestyle=":", linewidth=1.2, label=f"budget {fmt_bytes(result.budget_bytes)}")
+        top = max(top, budget)
     dev_curve = result.memory.get(hardware.device)
     if dev_curve is not None and len(dev_curve[0]):
         i = int(np.argmax(dev_curve[1]))
@@ -178,7 +177,16 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
         mg, (mv,) = downsample_steps([(mt, mb)], buckets, 0.0, max(end, float(mt[-1]) if len(mt) else end))
         ax.step(mg * k, mv / GIB, where="post", color=MEASURED_COLOR, linewidth=1.4,
                 label=f"{measured.source} {hardware.device}")
-    ax.set_ylim(0, max(top, cap) * 1.12)
+        top = max(top, float(mv.max()) / GIB if len(mv) else 0.0)
+    # the capacity line, unless a small budget would squash the plot under it
+    cap = hardware.device_capacity / GIB
+    cap_label = f"{hardware.device} capacity {fmt_bytes(hardware.device_capacity)}"
+    if cap <= 2.0 * top or not show_budget:
+        ax.axhline(cap, color="#222222", linestyle="--", linewidth=1.2, label=cap_label)
+        top = max(top, cap)
+    else:
+        ax.plot([], [], color="#222222", linestyle="--", linewidth=1.2, label=cap_label + "\n(off the scale)")
+    ax.set_ylim(0, (top or 1.0) * 1.12)
     ax.set_ylabel("bytes held (GiB)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8.5, frameon=False)
@@ -228,7 +236,7 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
     handles += [Patch(color=KIND_COLORS[kd], label=KIND_LABELS[kd]) for kd in KIND_COLORS if kd in kinds_drawn]
     handles.append(Line2D([], [], marker="v", color="#222222", linestyle="none", label=f"{hardware.device} peak"))
     gx.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
-    fig.subplots_adjust(left=0.09, right=0.78, top=0.94, bottom=0.08)
+    fig.subplots_adjust(left=0.105, right=0.78, top=0.94, bottom=0.08)
     return fig
 
 
@@ -290,10 +298,12 @@ def comparison_figure(hardware: Any, results: Sequence[Any], *, measured: dict[s
             ax.barh(y, value * k, left=left * k, color=color, height=0.6)
             left += value
         note = f" {r.ratio:.2f} of ideal" + ("" if r.fits else f", does not fit in {fmt_bytes(hardware.device_capacity)}")
-        ax.text(left * k, y, note, va="center", fontsize=8.5, color="#222222" if r.fits else STALL_COLOR)
         m = measured.get(r.policy)
         if m is not None:
             ax.plot([m.time_s * k], [y], marker="D", color=MEASURED_COLOR, linestyle="none", markersize=6)
+            note = f"  {note}" if m.time_s >= left else note
+            left = max(left, m.time_s)
+        ax.text(left * k, y, note, va="center", fontsize=8.5, color="#222222" if r.fits else STALL_COLOR)
     ideal = next((r.ideal_s for r in results if math.isfinite(r.ideal_s)), None)
     if ideal is not None:
         ax.axvline(ideal * k, color="#222222", linestyle="--", linewidth=1)
