@@ -15,22 +15,37 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
+from typing import Any
 
-from .recorder import DEFAULT_HARDWARE, capture
-from .summary import summarize
-from .zoo_trace import zoo_trace
+# Everything here imports torch; load it on first use so that the CLI (which registers
+# this package's commands on every start) and ``import tierflow`` stay fast.
+_LAZY = {
+    "DEFAULT_HARDWARE": ".recorder",
+    "capture": ".recorder",
+    "summarize": ".summary",
+    "zoo_trace": ".zoo_trace",
+}
 
 __all__ = ["DEFAULT_HARDWARE", "capture", "summarize", "zoo_trace"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _CallableModule(types.ModuleType):
     """Lets ``tierflow.capture(model, batch)`` call :func:`capture` while
     ``tierflow.capture.zoo_trace`` and friends stay reachable as module attributes."""
 
-    def __call__(self, *args, **kwargs):
-        return capture(*args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return importlib.import_module(".recorder", __name__).capture(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule
