@@ -294,12 +294,13 @@ def test_report_cli_writes_html_and_pngs(tmp_path, capsys):
     trace_file = str(chain_trace().save(tmp_path / "chain.json.gz"))
     out = tmp_path / "r.html"
     rc = main(["report", trace_file, "--hardware", "g10-a100", "--policies", "ideal,lru",
-               "--budget", "200MB", "-o", str(out), "--png", str(tmp_path / "png")])
+               "--budget", "200MB", "-o", str(out), "--png", str(tmp_path / "png"), "--embed", "png"])
     assert rc == 0
     text = capsys.readouterr().out
     assert f"wrote {out}" in text and "Fits at" in text
     page = out.read_text()
     assert 'data-figure="timeline-lru"' in page and "chain on g10-a100" in page
+    assert page.count('src="data:image/png;base64,') == 3 and "image/svg" not in page
     pngs = sorted(p.name for p in (tmp_path / "png").iterdir())
     assert pngs == ["comparison.png", "timeline-ideal.png", "timeline-lru.png"]
     img = imread(tmp_path / "png" / "timeline-lru.png")

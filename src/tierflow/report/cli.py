@@ -37,6 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-o", "--output", default="report.html", help="the HTML file to write (default: report.html)")
     p.add_argument("--png", default=None, metavar="DIR", help="also write every figure as a PNG into DIR")
+    p.add_argument("--embed", choices=("svg", "png"), default="svg",
+                   help="how figures are embedded: svg (sharp when zoomed) or png (a smaller file)")
     p.set_defaults(func=handler)
 
 
@@ -68,7 +70,7 @@ def handler(args: argparse.Namespace) -> int:
             base = 2 * trace.n_ops * k
             results.append(simulate(trace, hw, plan, progress=lambda d, _t, b=base: update(b + d)))
     command = "tierflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
-    files = write_report(args.output, trace, hw, results, png_dir=args.png, command=command)
+    files = write_report(args.output, trace, hw, results, png_dir=args.png, command=command, fmt=args.embed)
     con = u.console()
     head, _ = verdict(trace, hw, results)
     for r in results:

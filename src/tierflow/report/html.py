@@ -200,12 +200,12 @@ def build_report(trace: Any, hardware: Any, results: Sequence[Any], *,
 
 def write_report(path: str | Path, trace: Any, hardware: Any, results: Sequence[Any], *,
                  measured: dict[str, Any] | None = None, png_dir: str | Path | None = None,
-                 command: str | None = None) -> list[Path]:
+                 command: str | None = None, fmt: str = "svg") -> list[Path]:
     """Write the HTML report, and the same figures as PNG files when ``png_dir`` is given.
 
     Args:
         path: the HTML file to write (its folder is created).
-        trace, hardware, results, measured, command: as for :func:`build_report`.
+        trace, hardware, results, measured, command, fmt: as for :func:`build_report`.
         png_dir: a folder for ``comparison.png`` and ``timeline-POLICY.png``.
 
     Returns:
@@ -231,7 +231,8 @@ def write_report(path: str | Path, trace: Any, hardware: Any, results: Sequence[
     figs = build_figures(trace, hardware, results, measured)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(build_report(trace, hardware, results, measured=measured, command=command, figures=figs),
+    path.write_text(build_report(trace, hardware, results, measured=measured, command=command, figures=figs,
+                                fmt=fmt),
                     encoding="utf-8")
     written = [path]
     if png_dir is not None:
