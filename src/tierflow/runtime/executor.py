@@ -1,0 +1,1122 @@
+"""Execute a plan in real PyTorch training: ``with tierflow.offload(model, opt, budget=...)``.
+
+How it works, in one paragraph. While the ``with`` block is open, a light
+``TorchDispatchMode`` sees every aten op. The first iteration (from the model's first
+forward to ``optimizer.step()`` returning) is *profiled*: each op is recorded with the
+storages it reads and writes, exactly as :mod:`tierflow.capture` records a trace, and
+timed on the real device. The trace goes to a policy, the plan comes back, and every
+later iteration *follows* it: the mode counts ops, and when op ``k`` ends it issues the
+plan's moves "after op ``k``". A move acts on a *storage*: eviction copies its bytes to
+the host pool or the SSD file and shrinks the storage to zero bytes
+(``untyped_storage().resize_(0)``, as FSDP frees parameters), so every tensor and view
+that shares it (a parameter, the transposed weight autograd saved, a gradient, an Adam
+moment, a saved activation) stays a valid Python object with its shape, and the memory
+is gone; a fetch grows the storage back and copies the bytes in. Identity across
+iterations comes from the trace's runtime keys (``param:NAME``, ``opt:NAME:KEY``) for
+persistent tensors, and from the order of first use within the iteration (the trace's
+tensor ids) for the rest: activations (labelled by the saved-tensor pack hook,
+``saved:SEQ``) and gradients (labelled by post-accumulate-grad hooks, ``grad:NAME``).
+
+Why it is never wrong. The same mode checks every op's inputs before the op runs: a
+storage that is away is fetched on demand, whatever the plan said (a *stall*, counted).
+So a plan can only make training slow, never incorrect. An iteration that departs from
+the trace (another op, other shapes, more or fewer ops) switches the rest of that
+iteration to the *reactive* mode (no plan; least recently used tensors are evicted when
+the budget would be exceeded, everything fetched on demand), and the next iteration is
+profiled again and re-planned.
+
+The device budget. Before each op the executor makes room for what the op will create
+(the bytes the trace says it allocates; in reactive mode the largest allocation seen so
+far), evicting least recently used tensors the runtime owns (parameters, gradients,
+optimizer state, saved activations; never the user's own tensors), so the peak stays
+within the budget unless the op's own working set exceeds it. In CPU mode "device"
+bytes are *accounted*: the sum of the live storages the runtime has seen that are
+resident on the device (a storage's death is seen through a weak reference); on CUDA
+``torch.cuda.max_memory_allocated`` is reported as well.
+
+CUDA and CPU run the same code: :class:`~tierflow.runtime.streams.Copier` puts copies on
+a side stream with events on CUDA and runs them at once on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import PlanError, PolicyError, TierflowError
+from ..hardware import Compute, Hardware, Link, Tier, load_hardware
+from ..plan import Plan, validate
+from ..trace import Op, TensorInfo, Trace
+from ..units import fmt_bytes, parse_bytes
+from .errors import BudgetError, OffloadError, SSDError
+from .streams import Copier
+from .tiers import HostPool, SSDStore
+
+RESIDENT, AWAY, INCOMING = "resident", "away", "incoming"
+OWNED = ("parameter", "gradient", "optimizer_state", "activation")
+_RANK = {"parameter": 0, "optimizer_state": 1, "gradient": 2, "input": 3, "activation": 4, "temporary": 5}
+PolicyArg = str | Callable[[Trace, Hardware, float], Plan]
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One storage the runtime has seen (never a strong reference to it)."""
+
+    cdata: int
+    nbytes: int
+    ref: Any  # weakref.ref to the UntypedStorage; its callback reports the death
+    kind: str = "temporary"
+    key: str | None = None
+    name: str = ""
+    resizable: bool = True
+    state: str = RESIDENT
+    tier: str | None = None
+    slot: int = -1  # offset in the host pool or the SSD file while away
+    bounce: int = -1  # SSD: bounce slot holding the bytes (write in flight, or read landed)
+    io: Any = None  # SSD: the Future of the write or read in flight
+    arrival: Any = None  # CUDA: event of the copy that brought it back
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind in ("parameter", "optimizer_state")
+
+    @property
+    def label(self) -> str:
+        return self.key or self.name or f"storage {self.cdata:#x}"
+
+
+@dataclass
+class RunStats:
+    """What a run measured, next to what the simulator predicted.
+
+    Attributes:
+        steps: iterations completed. profiled_steps: of which profiled (reactive mode,
+            recorded); planned_steps: of which followed a plan to the end;
+            reactive_steps: of which ran reactive (a reactive policy, or a stale plan).
+        step_time_s: mean wall time of the planned (else all) iterations after the first.
+        step_times_s: wall time of every iteration.
+        peak_device_bytes: highest accounted device bytes in any iteration run under the
+            budget (with a share budget, the first, unconstrained profile is left out and
+            reported as ``peak_device_bytes_unconstrained``).
+        peak_device_bytes_planned: the same over planned iterations only.
+        cuda_max_allocated: ``torch.cuda.max_memory_allocated`` (CUDA only).
+        budget_bytes: the device budget in force (``inf``: none).
+        moved_bytes: bytes copied per tier, both directions (``host``, ``ssd``).
+        transfers: bytes per direction (``device->host``, ``ssd->device``, ...).
+        moves_by_kind: count of evictions per ``(tensor kind, tier)``, as ``"kind@tier"``.
+        stalls: on-demand fetches (a tensor was away when an op needed it).
+        stall_s: host time spent waiting for them.
+        planned_moves: plan moves executed; skipped_moves: plan moves with nothing to do
+            (a tensor the runtime cannot identify or move, or already where asked).
+        unplanned_evictions: evictions the budget forced beyond the plan.
+        tier_fallbacks: moves sent to host because the plan's tier is missing or full.
+        stale_plans: iterations that departed from the trace; replans: plans made.
+        stale_reasons: the first few departures, in words.
+        predicted_step_time_s: the simulator's step time for the current plan.
+        ideal_step_time_s: the trace's sum of op times (no transfers).
+        policy: the policy that made the current plan.
+        host_pool_bytes, ssd_file_bytes: the tiers' pre-allocated sizes.
+        host_pool_peak: highest bytes in use in the host pool.
+    """
+
+    steps: int = 0
+    profiled_steps: int = 0
+    planned_steps: int = 0
+    reactive_steps: int = 0
+    step_time_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    peak_device_bytes: int = 0
+    peak_device_bytes_planned: int = 0
+    peak_device_bytes_unconstrained: int = 0
+    cuda_max_allocated: int | None = None
+    budget_bytes: float = math.inf
+    moved_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "ssd": 0})
+    transfers: dict[str, int] = field(default_factory=dict)
+    moves_by_kind: dict[str, int] = field(default_factory=dict)
+    stalls: int = 0
+    stall_s: float = 0.0
+    planned_moves: int = 0
+    skipped_moves: int = 0
+    unplanned_evictions: int = 0
+    tier_fallbacks: int = 0
+    stale_plans: int = 0
+    replans: int = 0
+    stale_reasons: list[str] = field(default_factory=list)
+    predicted_step_time_s: float | None = None
+    ideal_step_time_s: float | None = None
+    policy: str = ""
+    host_pool_bytes: int = 0
+    ssd_file_bytes: int = 0
+    host_pool_peak: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["step_times_s"] = list(self.step_times_s)
+        return d
+
+
+def _budget_spec(budget: str | int | float | None) -> tuple[float | None, float | None]:
+    """``(bytes, share)``: one of them set, or both None for no budget."""
+    if budget is None:
+        return None, None
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        try:
+            share = float(budget.strip()[:-1]) / 100
+        except ValueError:
+            raise PolicyError(f"budget {budget!r}: not a percentage") from None
+        if not 0 < share:
+            raise PolicyError(f"budget {budget!r}: must be positive")
+        return None, share
+    try:
+        return float(parse_bytes(budget)), None
+    except ValueError as e:
+        raise PolicyError(f"budget: {e}") from None
+
+
+def _u8(st: torch.UntypedStorage, n: int) -> torch.Tensor:
+    """A flat byte view of a whole storage (shares it; no autograd, own version counter)."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (n,), (1,))
+
+
+def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor arguments the op writes (in-place ``self``, ``out=``), from its schema."""
+    out: list[torch.Tensor] = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        out += [x for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]
+    return out
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, run: Run):
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.run._on_op(func, args, kwargs or {})
+
+
+def _measure_copy_bw(device: torch.device) -> float:
+    """Bytes/s of one 16 MiB device-to-host copy (the CPU-mode "link")."""
+    n = 16 << 20
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty(n, dtype=torch.uint8)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        b.copy_(a)
+    return 3 * n / max(time.perf_counter() - t0, 1e-9)
+
+
+class Run:
+    """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
+
+    See :func:`offload` for the arguments.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        budget: str | int | float | None = None,
+        policy: PolicyArg = "tierflow",
+        ssd_dir: str | os.PathLike | None = None,
+        *,
+        hardware: str | Hardware | None = None,
+        host_bytes: int | str | None = None,
+        ssd_bytes: int | str | None = None,
+        io_workers: int = 2,
+        policy_options: dict[str, Any] | None = None,
+    ):
+        self.model, self.optimizer = model, optimizer
+        p = next(model.parameters(), None)
+        self.device = p.device if p is not None else torch.device("cpu")
+        if self.device.type not in ("cpu", "cuda"):
+            raise OffloadError(f"offload: the model is on {self.device}; expected cpu or cuda")
+        self._budget_bytes, self._budget_share = _budget_spec(budget)
+        self.budget = math.inf if self._budget_bytes is None else self._budget_bytes
+        self._policy_arg = policy
+        self._policy_options = dict(policy_options or {})
+        self._ssd_dir = ssd_dir
+        self._hardware_arg = hardware
+        self._host_bytes, self._ssd_bytes = host_bytes, ssd_bytes
+        self._io_workers = io_workers
+        self.stats = RunStats(budget_bytes=self.budget)
+        self.trace: Trace | None = None
+        self.plan: Plan | None = None
+        self.hardware: Hardware | None = None
+        self._open = False
+
+    # == lifecycle ==========================================================================
+    def __enter__(self) -> Run:
+        model_bytes = sum(t.untyped_storage().nbytes() for t in self._state_tensors())
+        # Default pool sizes: weights, gradients and two Adam moments, plus the budget's
+        # worth of activations. Enough for every plan whose host tier fits these sizes (the
+        # planner is told them); pass host_bytes/ssd_bytes to trade memory for spilling.
+        default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
+        host = parse_bytes(self._host_bytes) if self._host_bytes is not None else default
+        self._host = HostPool(host, pin=self.device.type == "cuda")
+        self._ssd: SSDStore | None = None
+        if self._ssd_dir is not None:
+            cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default
+            self._ssd = SSDStore(self._ssd_dir, cap, bounce_bytes=min(max(cap // 4, 16 << 20), 256 << 20),
+                                 workers=self._io_workers)
+        self.stats.host_pool_bytes = self._host.capacity
+        self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd else 0
+        self._copier = Copier(self.device)
+        self._entries: dict[int, _Entry] = {}
+        self._lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
+        self._by_key: dict[str, _Entry] = {}
+        self._dead: deque[int] = deque()
+        self._frees: deque[tuple[Any, Any, int, int]] = deque()  # (event, arena, off, n)
+        self._writes: list[_Entry] = []
+        self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room
+        self._device_bytes = 0
+        self._quiet = False
+        self._untracked = 0
+        self._in_iter = False
+        self._need_profile = True
+        self._max_out = 0
+        self._step_kinds: list[str] = []
+        self._in_step = False
+        self._names = {id(p): n for n, p in self.model.named_parameters()}
+        for n, p in self.model.named_parameters():
+            self._label(self._entry(p), "parameter", f"param:{n}", n)
+        for n, b in self.model.named_buffers():
+            self._label(self._entry(b), "parameter", f"buffer:{n}", n)
+        self._label_opt_state()
+        self._hooks = [self.model.register_forward_pre_hook(self._on_forward)]
+        for n, p in self.model.named_parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
+        if self.optimizer is not None:
+            self._hooks.append(self.optimizer.register_step_pre_hook(self._on_step_pre))
+            self._hooks.append(self.optimizer.register_step_post_hook(lambda *a: self.end_iteration()))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._mode = _Mode(self)
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._mode.__enter__()
+        self._saved.__enter__()
+        self._open = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._quiet = True
+        errors: list[str] = []
+        try:
+            self._saved.__exit__(None, None, None)
+            self._mode.__exit__(None, None, None)
+            for h in self._hooks:
+                h.remove()
+            # bring everything home: the model and optimizer are whole again after the block
+            for e in list(self._entries.values()):
+                if e.state != RESIDENT:
+                    try:
+                        self._fetch(e)
+                    except TierflowError as err:
+                        errors.append(str(err))
+            self._drain_writes(raise_errors=False)
+            self._copier.drain()
+            self._reap()
+            if self.device.type == "cuda":
+                self.stats.cuda_max_allocated = int(torch.cuda.max_memory_allocated(self.device))
+        finally:
+            self.stats.host_pool_peak = self._host.arena.peak
+            self._host.close()
+            if self._ssd is not None:
+                self._ssd.close()
+            self._entries.clear()
+            self._lru.clear()
+            self._by_key.clear()
+        if errors and exc is None:
+            raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
+
+    # == iterations ========================================================================
+    def _on_forward(self, module, args):
+        if not self._in_iter:
+            self._quiet = True
+            try:
+                self._begin()
+                for i, x in enumerate(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
+                    e = self._entry(x)
+                    if e is not None and e.kind == "temporary":
+                        self._label(e, "input", f"input:{i}", f"input{i}")
+            finally:
+                self._quiet = False
+
+    def _begin(self) -> None:
+        self._in_iter = True
+        self._op = 0
+        self._saved_seq = 0
+        self._iter_tid: dict[int, int] = {}
+        self._iter_entries: list[_Entry] = []
+        self._recording = self._need_profile or self.plan is None
+        self._planned = not self._recording and self.plan is not None and not self.plan.reactive
+        self._hinted = not self._recording and self.plan is not None and self.plan.reactive
+        self._stale = False
+        self._warmup = self.optimizer is not None and not any(self.optimizer.state.values())
+        self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
+        self._sigs: list[tuple] = []
+        if self._planned:  # persistent tensors the plan starts the iteration without
+            for key, tier in self._start_away.items():
+                e = self._by_key.get(key)
+                if e is not None and e.state == RESIDENT and self._evict(e, tier):
+                    self.stats.planned_moves += 1
+        self._iter_peak = self._device_bytes
+        self._budgeted = math.isfinite(self.budget)
+        self._t0 = time.perf_counter()
+
+    def end_iteration(self) -> None:
+        """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
+        call it yourself only when training without an optimizer."""
+        if not self._in_iter:
+            return
+        self._label_opt_state()
+        self._in_iter = False
+        self._in_step = False
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # once per step, for the step time
+        dt = time.perf_counter() - self._t0
+        st = self.stats
+        st.steps += 1
+        st.step_times_s.append(dt)
+        if self._budgeted or (self._budget_bytes is None and self._budget_share is None):
+            st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
+        else:  # a share budget: the profile iteration that measured the peak ran without one
+            st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._iter_peak)
+        if self._planned and not self._stale and self._op != self.trace.n_ops:
+            self._mark_stale(f"the iteration ran {self._op} ops, the trace has {self.trace.n_ops}")
+        if self._recording:
+            st.profiled_steps += 1
+            self._quiet = True  # planning allocates (a bandwidth probe): not the user's ops
+            try:
+                trace = self._build_trace()
+                if not self._warmup:
+                    self._make_plan(trace)
+                    self._need_profile = False
+            finally:
+                self._quiet = False
+        elif (self._planned or self._hinted) and not self._stale:
+            st.planned_steps += 1
+            st.peak_device_bytes_planned = max(st.peak_device_bytes_planned, self._iter_peak)
+        else:
+            st.reactive_steps += 1
+        if self._stale:
+            self._need_profile = True
+        self._step_kinds.append("planned" if ((self._planned or self._hinted) and not self._stale) else "other")
+        planned = [t for t, k in zip(st.step_times_s, self._step_kinds) if k == "planned"]
+        st.step_time_s = sum(planned) / len(planned) if planned else sum(st.step_times_s) / len(st.step_times_s)
+        self._iter_tid, self._iter_entries = {}, []
+
+    # == the op handler ====================================================================
+    def _on_op(self, func, args, kwargs):
+        if self._quiet:
+            return func(*args, **kwargs)
+        self._quiet = True  # our own copies and resizes below are not the user's ops
+        try:
+            return self._handle(func, args, kwargs)
+        finally:
+            self._quiet = False
+
+    def _handle(self, func, args, kwargs):
+        self._reap()
+        if self._pending:
+            self._issue_pending()
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if self._untracked:
+            for t in tensors:
+                e = self._entries.get(t.untyped_storage()._cdata) if t.device.type == self.device.type else None
+                if e is not None:
+                    self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
+                    self._ensure_resident(e)
+            return func(*args, **kwargs)
+        ins = [e for e in (self._entry(t) for t in tensors) if e is not None]
+        in_iter = self._in_iter
+        i = self._op if in_iter else -1
+        sig = None
+        if in_iter and (self._recording or self._planned):
+            sig = (func._schema.name, tuple((tuple(t.shape), t.dtype) for t in tensors))
+            if self._planned and not self._stale and (i >= len(self._trace_sigs) or self._trace_sigs[i] != sig):
+                want = self._trace_sigs[i][0] if i < len(self._trace_sigs) else "the end of the iteration"
+                self._mark_stale(f"op {i}: ran {sig[0]} {[s for s, _ in sig[1]]}, the trace has {want}")
+        expect = self._born[i] if (in_iter and self._planned and not self._stale) else self._max_out
+        away = sum(e.nbytes for e in ins if e.state != RESIDENT)
+        self._make_room(away + expect, ins)
+        for e in ins:
+            self._ensure_resident(e)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        dur = time.perf_counter() - t0
+        out_t = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        name = func._schema.name
+        outs = [e for e in (self._entry(t, f"{name}#{i}") for t in out_t + _written_args(func, args, kwargs))
+                if e is not None]
+        new_bytes = 0
+        for e in outs:
+            st = e.ref()
+            if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
+                self._device_bytes += st.nbytes() - e.nbytes
+                new_bytes += max(0, st.nbytes() - e.nbytes)
+                e.nbytes = st.nbytes()
+        for e in ins + outs:
+            if e.cdata in self._lru:
+                self._lru.move_to_end(e.cdata)
+        if in_iter:
+            n_before = len(self._iter_entries)
+            in_ids = [self._tid(e) for e in ins]
+            out_ids = [self._tid(e) for e in outs]
+            new_bytes += sum(e.nbytes for e in self._iter_entries[n_before:] if e.kind not in ("parameter",))
+            self._max_out = max(self._max_out, new_bytes)
+            if self._recording:
+                phase = "backward" if torch._C._current_graph_task_id() != -1 else self._phase()
+                self._rec.append((name, phase, dur, list(dict.fromkeys(in_ids)), list(dict.fromkeys(out_ids))))
+                self._sigs.append(sig)
+            elif self._planned and not self._stale:
+                for tid in range(n_before, len(self._iter_entries)):
+                    want = self._trace_keys[tid] if tid < len(self._trace_keys) else None
+                    got = self._iter_entries[tid]
+                    if want is not None and want.split(":")[0] in ("param", "buffer", "opt") and want != got.key:
+                        self._mark_stale(f"op {i}: tensor {tid} is {got.label}, the trace has {want}")
+                        break
+        self._note_peak()
+        if in_iter:
+            if self._planned and not self._stale:
+                self._fire(i)
+            elif self._hinted:
+                self._fire(i, hints=True)
+            self._op += 1
+        return out
+
+    def _phase(self) -> str:
+        return "optimizer" if getattr(self, "_in_step", False) else "forward"
+
+    def _note_peak(self) -> None:
+        if self._device_bytes > self._iter_peak:
+            self._iter_peak = self._device_bytes
+
+    # == storages ==========================================================================
+    def _entry(self, t: torch.Tensor, produced_by: str | None = None) -> _Entry | None:
+        """The entry of ``t``'s storage (made on first sight), or None if it is not on the
+        device or has no storage."""
+        if t.device.type != self.device.type:
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        cdata = st._cdata
+        e = self._entries.get(cdata)
+        if e is None:
+            n = int(st.nbytes())
+            e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata: self._dead.append(c)),
+                       name=produced_by or "<pre-existing>", resizable=bool(st.resizable()))
+            self._entries[cdata] = e
+            self._device_bytes += n
+        return e
+
+    def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
+        if e is None or (e.key is not None and _RANK[kind] >= _RANK[e.kind]):
+            return
+        e.kind, e.key, e.name = kind, key, name
+        if e.persistent:
+            self._by_key[key] = e
+        if kind in OWNED and e.state == RESIDENT and e.resizable:
+            self._lru[e.cdata] = e
+
+    def _label_opt_state(self) -> None:
+        if self.optimizer is None:
+            return
+        for p, state in self.optimizer.state.items():
+            pn = self._names.get(id(p), f"<param {id(p):x}>")
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    self._label(self._entry(v), "optimizer_state", f"opt:{pn}:{k}", f"{pn}.{k}")
+
+    def _on_grad(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                q, self._quiet = self._quiet, True
+                try:
+                    self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
+                finally:
+                    self._quiet = q
+        return hook
+
+    def _tid(self, e: _Entry) -> int:
+        tid = self._iter_tid.get(e.cdata)
+        if tid is None:
+            tid = self._iter_tid[e.cdata] = len(self._iter_entries)
+            self._iter_entries.append(e)
+        return tid
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        q, self._quiet = self._quiet, True
+        try:
+            if self._in_iter:
+                seq = self._saved_seq
+                self._saved_seq += 1
+                e = self._entry(t, f"saved{seq}")
+                if e is not None and e.kind == "temporary":
+                    self._label(e, "activation", f"saved:{seq}", f"saved{seq}")
+            return t.detach()  # not t: that would tie the graph and its output in a cycle
+        finally:
+            self._quiet = q
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        e = self._entries.get(t.untyped_storage()._cdata) if t.device.type == self.device.type else None
+        if e is not None and (e.state != RESIDENT or e.arrival is not None):
+            q, self._quiet = self._quiet, True
+            try:
+                self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
+                self._ensure_resident(e)
+                self._note_peak()
+            finally:
+                self._quiet = q
+        return t
+
+    # == moves =============================================================================
+    def _fire(self, op: int, hints: bool = False) -> None:
+        assert self.plan is not None and self.trace is not None
+        for m in self.plan.by_op.get(op, ()):
+            info = self.trace.tensors[m.tensor]
+            if info.persistent:
+                e = self._by_key.get(info.key or "")
+            else:
+                e = self._iter_entries[m.tensor] if m.tensor < len(self._iter_entries) else None
+            if e is None or e.ref() is None or e.kind not in OWNED or not e.resizable:
+                self.stats.skipped_moves += 1
+                continue
+            if m.kind == "evict":
+                done = self._evict(e, self._tier_of(m.tier))
+            elif e.state == RESIDENT or e in self._pending:
+                done = False
+            elif hints:  # a UVM-style prefetch hint makes room, like a fault
+                self._make_room(e.nbytes, [])
+                done = self._prefetch(e)
+            else:  # a planned prefetch never evicts: it waits for room (as simulated)
+                self._pending.append(e)
+                continue
+            if done:
+                self.stats.planned_moves += 1
+            else:
+                self.stats.skipped_moves += 1
+        self._issue_pending()
+
+    def _issue_pending(self) -> None:
+        """Start queued planned prefetches, in order, while they fit the budget."""
+        while self._pending:
+            e = self._pending[0]
+            if e.ref() is None or e.state != AWAY:
+                self._pending.popleft()
+                continue
+            if self._device_bytes + e.nbytes > self.budget:
+                return
+            self._pending.popleft()
+            if self._prefetch(e):
+                self.stats.planned_moves += 1
+
+    def _tier_of(self, name: str | None) -> str:
+        """The runtime tier (``host`` or ``ssd``) for a plan's tier name."""
+        if name is None or self.hardware is None or not self.hardware.has_tier(name):
+            return "host"
+        return "ssd" if self.hardware.tier(name).kind == "ssd" else "host"
+
+    def _make_room(self, need: int, keep: list[_Entry]) -> None:
+        """Evict least recently used owned tensors (not those in ``keep``) until ``need``
+        more bytes fit the budget."""
+        if self._device_bytes + need <= self.budget:
+            return
+        pinned = {e.cdata for e in keep}
+        for e in self._victims(pinned):
+            if self._device_bytes + need <= self.budget:
+                break
+            if self._evict(e, "host"):
+                self.stats.unplanned_evictions += 1
+
+    def _victims(self, pinned: set[int]) -> list[_Entry]:
+        """Owned resident tensors in eviction order: following a plan, the one the trace
+        uses furthest in the future first (Belady); otherwise least recently used first."""
+        cands = [e for c, e in self._lru.items() if c not in pinned]
+        if not (self._in_iter and self._planned and not self._stale):
+            return cands
+        trace, now, n = self.trace, self._op, self.trace.n_ops
+
+        def next_use(e: _Entry) -> float:
+            tid = self._key_tid.get(e.key) if e.persistent else self._iter_tid.get(e.cdata)
+            if tid is None:
+                return math.inf
+            uses = trace.uses(tid)
+            j = int(np.searchsorted(uses, now, side="right"))
+            if j < len(uses):
+                return float(uses[j])
+            return float(uses[0] + n) if e.persistent else math.inf
+
+        return sorted(cands, key=next_use, reverse=True)
+
+    def _evict(self, e: _Entry, tier: str) -> bool:
+        st = e.ref()
+        if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
+            return False
+        n = e.nbytes
+        if tier == "ssd" and self._ssd is None:
+            tier = "host"
+            self.stats.tier_fallbacks += 1
+        if tier == "host":
+            off = self._host.arena.alloc(n)
+            if off is None:
+                self._reap(wait=True)
+                off = self._host.arena.alloc(n)
+            if off is None:
+                if self._ssd is None:
+                    raise OffloadError(
+                        f"host pool full: {e.label} needs {fmt_bytes(n)}, {fmt_bytes(self._host.arena.free)} free "
+                        f"of {fmt_bytes(self._host.capacity)} (pass a larger host_bytes, or an ssd_dir to spill to)"
+                    )
+                tier = "ssd"
+                self.stats.tier_fallbacks += 1
+        if e.arrival is not None:  # it is still arriving: the copy out must follow the copy in
+            self._copier.wait(e.arrival)
+            e.arrival = None
+        src = _u8(st, n)
+        if tier == "host":
+            self._copier.copy(self._host.view(off, n), src, src)
+            e.slot = off
+        else:
+            assert self._ssd is not None
+            foff = self._ssd.alloc_file(n, e.label)
+            boff = self._bounce_alloc(n)
+            ev = self._copier.copy(self._ssd.bounce_view(boff, n), src, src)
+            before = (lambda ev=ev: ev.synchronize()) if ev is not None else None
+            e.slot, e.bounce = foff, boff
+            e.io = self._ssd.submit(True, boff, foff, n, before)
+            self._writes.append(e)
+        del src
+        st.resize_(0)
+        e.state, e.tier = AWAY, tier
+        self._device_bytes -= n
+        self._lru.pop(e.cdata, None)
+        self._count(f"device->{tier}", tier, n)
+        k = f"{e.kind}@{tier}"
+        self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
+        return True
+
+    def _bounce_alloc(self, n: int) -> int:
+        assert self._ssd is not None
+        off = self._ssd.bounce.alloc(n)
+        while off is None and self._writes:
+            self._finish_write(self._writes[0], wait=True)
+            off = self._ssd.bounce.alloc(n)
+        if off is None:
+            self._reap(wait=True)
+            off = self._ssd.bounce.alloc(n)
+        if off is None:
+            raise OffloadError(
+                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(self._ssd.bounce.capacity)}); "
+                "pass a larger ssd_bytes"
+            )
+        return off
+
+    def _prefetch(self, e: _Entry) -> bool:
+        """Start bringing ``e`` back; an SSD read proceeds in the background."""
+        if e.state != AWAY:
+            return False
+        if e.tier == "ssd" and e.bounce < 0:
+            assert self._ssd is not None
+            boff = self._bounce_alloc(e.nbytes)
+            e.bounce = boff
+            e.io = self._ssd.submit(False, boff, e.slot, e.nbytes)
+            e.state = INCOMING
+            return True
+        self._fetch(e)
+        return True
+
+    def _ensure_resident(self, e: _Entry) -> None:
+        if e.state != RESIDENT:
+            t0 = time.perf_counter()
+            self._fetch(e)
+            self.stats.stalls += 1
+            self.stats.stall_s += time.perf_counter() - t0
+        if e.arrival is not None:
+            self._copier.wait(e.arrival)
+            e.arrival = None
+
+    def _fetch(self, e: _Entry) -> None:
+        """Bring ``e`` back to the device now (an SSD read in flight is waited for)."""
+        st = e.ref()
+        n = e.nbytes
+        if st is None:
+            return
+        if e.tier == "host":
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = self._copier.copy(dst, self._host.view(e.slot, n), dst)
+            self._frees.append((ev, self._host.arena, e.slot, n))
+        else:
+            assert self._ssd is not None
+            if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
+                self._finish_write(e, wait=True, keep_bounce=True)
+            elif e.state == AWAY:
+                e.bounce = self._bounce_alloc(n)
+                e.io = self._ssd.submit(False, e.bounce, e.slot, n)
+            if e.io is not None:  # a read
+                try:
+                    e.io.result()
+                except OSError as err:
+                    e.io = None
+                    self._ssd.bounce.release(e.bounce, n)
+                    e.bounce, e.state = -1, AWAY
+                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {self._ssd.path} failed: "
+                                   f"{err.strerror or err}; it stays in the file") from None
+                e.io = None
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = self._copier.copy(dst, self._ssd.bounce_view(e.bounce, n), dst)
+            self._frees.append((ev, self._ssd.bounce, e.bounce, n))
+            self._ssd.arena.release(e.slot, n)
+            e.bounce = -1
+        e.arrival = ev
+        e.state, e.slot = RESIDENT, -1
+        tier, e.tier = e.tier, None
+        self._device_bytes += n
+        self._count(f"{tier}->device", tier or "host", n)
+        if e.kind in OWNED:
+            self._lru[e.cdata] = e
+
+    def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
+        """Retire an SSD write: release its bounce slot, or on failure put the tensor back
+        on the device from the bounce copy and raise :class:`SSDError`."""
+        assert self._ssd is not None
+        if e.io is None or (not wait and not e.io.done()):
+            return
+        try:
+            e.io.result()
+            err = None
+        except OSError as x:
+            err = x
+        if e in self._writes:
+            self._writes.remove(e)
+        e.io = None
+        if err is None:
+            if not keep_bounce:
+                self._ssd.bounce.release(e.bounce, e.nbytes)
+                e.bounce = -1
+            return
+        # the write failed: nothing is lost, the bytes are still in the bounce slot
+        n = e.nbytes
+        self._ssd.arena.release(e.slot, n)
+        st = e.ref()
+        if st is not None:
+            st.resize_(n)
+            _u8(st, n).copy_(self._ssd.bounce_view(e.bounce, n))
+            self._device_bytes += n
+            if e.kind in OWNED:
+                self._lru[e.cdata] = e
+        self._ssd.bounce.release(e.bounce, n)
+        e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
+        raise SSDError(
+            f"SSD write of {e.label} ({fmt_bytes(n)}) to {self._ssd.path} failed: {err.strerror or err}; "
+            "it was restored to the device, model and optimizer state are intact"
+        )
+
+    def _drain_writes(self, raise_errors: bool = True) -> None:
+        while self._writes:
+            try:
+                self._finish_write(self._writes[0], wait=True)
+            except SSDError:
+                if raise_errors:
+                    raise
+
+    def _count(self, direction: str, tier: str, n: int) -> None:
+        st = self.stats
+        st.transfers[direction] = st.transfers.get(direction, 0) + n
+        st.moved_bytes[tier] = st.moved_bytes.get(tier, 0) + n
+
+    def _reap(self, wait: bool = False) -> None:
+        """Retire what finished: dead storages, completed copies (slots freed), SSD
+        writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
+        while self._dead:
+            e = self._entries.pop(self._dead.popleft(), None)
+            if e is None:
+                continue
+            self._lru.pop(e.cdata, None)
+            self._iter_tid.pop(e.cdata, None) if self._in_iter else None
+            if e.state == RESIDENT:
+                self._device_bytes -= e.nbytes
+            else:  # died while away: give its slots back
+                if e.io is not None:
+                    try:
+                        e.io.result()
+                    except OSError:
+                        pass
+                    if e in self._writes:
+                        self._writes.remove(e)
+                if e.bounce >= 0 and self._ssd is not None:
+                    self._ssd.bounce.release(e.bounce, e.nbytes)
+                if e.tier == "host":
+                    self._host.arena.release(e.slot, e.nbytes)
+                elif self._ssd is not None:
+                    self._ssd.arena.release(e.slot, e.nbytes)
+            if e.key and self._by_key.get(e.key) is e:
+                del self._by_key[e.key]
+        while self._frees and (wait or Copier.done(self._frees[0][0])):
+            ev, arena, off, n = self._frees.popleft()
+            Copier.synchronize(ev)
+            arena.release(off, n)
+        for e in list(self._writes):
+            self._finish_write(e, wait=wait)
+        # SSD reads that completed stay in their bounce slot until the tensor is first used:
+        # landing them earlier would spend device bytes the plan has not made room for
+
+    # == stale plans, profiling, planning ==================================================
+    def _mark_stale(self, why: str) -> None:
+        self._stale = True
+        self.stats.stale_plans += 1
+        if len(self.stats.stale_reasons) < 5:
+            self.stats.stale_reasons.append(why)
+
+    def _on_step_pre(self, optimizer, args, kwargs) -> None:
+        self._in_step = True
+        if self._in_iter and self._recording and self._budget_bytes is not None:
+            self._check_working_set()
+
+    def _check_working_set(self) -> None:
+        """Refuse, before the first optimizer step changes anything, a budget below what
+        one op of forward/backward needs, or what the update of one parameter needs."""
+        sizes = [e.nbytes for e in self._iter_entries]
+        worst, where = 0, ""
+        for j, (name, _ph, _d, ins, outs) in enumerate(self._rec):
+            ws = sum(sizes[t] for t in set(ins) | set(outs))
+            if ws > worst:
+                worst, where = ws, f"op {j} ({name})"
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                fused = bool(g.get("foreach") or g.get("fused"))
+                group = 0
+                for p in g["params"]:
+                    if p.grad is None:
+                        continue
+                    b = p.untyped_storage().nbytes() + p.grad.untyped_storage().nbytes()
+                    b += sum(v.untyped_storage().nbytes() for v in self.optimizer.state.get(p, {}).values()
+                             if isinstance(v, torch.Tensor) and v.device.type == self.device.type)
+                    group = group + b if fused else max(group, b)
+                if group > worst:
+                    worst, where = group, "the optimizer step" + (" (foreach: all parameters at once)" if fused else "")
+        if worst > self.budget:
+            raise BudgetError(
+                f"budget {fmt_bytes(self.budget)} ({int(self.budget)} bytes) is below the minimum working set: "
+                f"{where} alone needs {fmt_bytes(worst)} ({worst} bytes); nothing was updated"
+            )
+
+    def _build_trace(self) -> Trace:
+        ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs)) for name, phase, d, ins, outs in self._rec]
+        tensors = []
+        for i, e in enumerate(self._iter_entries):
+            kind = e.kind
+            if kind == "temporary" and e.name == "<pre-existing>" and e.ref() is not None:
+                kind = "parameter"  # held across iterations outside any op: model state
+            tensors.append(TensorInfo(i, int(e.nbytes), kind, kind in ("parameter", "optimizer_state"), e.name, e.key))
+        trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
+                      meta={"source": "tierflow.runtime", "device": str(self.device), "timing": "measured"})
+        self._trace_sigs_next = list(self._sigs)
+        return trace
+
+    def _hardware_for(self, trace: Trace) -> Hardware:
+        if self.device.type == "cuda":
+            base = load_hardware(self._hardware_arg or "h100-80g-pcie5-nvme")
+            cap = float(torch.cuda.get_device_properties(self.device).total_memory)
+            hw = base.with_tier(base.device, capacity=cap)
+            host = next((t.name for t in hw.tiers if t.kind == "host"), None)
+            if host is not None:
+                hw = hw.with_tier(host, capacity=float(self._host.capacity))
+            for t in hw.tiers:
+                if t.kind == "ssd":
+                    hw = hw.with_tier(t.name, capacity=float(self._ssd.capacity if self._ssd else 0))
+            return hw
+        if self._hardware_arg is not None:
+            return load_hardware(self._hardware_arg)
+        bw = _measure_copy_bw(self.device)
+        total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
+                 Tier("host", "host", float(self._host.capacity))]
+        links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
+        if self._ssd is not None:
+            # NVMe-class rates; the runtime's own transfers are what stats report
+            tiers.append(Tier("ssd", "ssd", float(self._ssd.capacity), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
+            links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
+        return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
+                        description="CPU mode: device and host are both RAM, the budget accounted")
+
+    def _make_plan(self, trace: Trace) -> None:
+        from ..policies import make_plan, min_working_set, policy_names
+        from ..simulate import simulate
+
+        hw = self._hardware_for(trace)
+        if self._budget_share is not None:
+            self.budget = self._budget_share * trace.peak_live_bytes
+            self.stats.budget_bytes = self.budget
+        need, op = min_working_set(trace)
+        if need > self.budget:
+            raise BudgetError(
+                f"budget {fmt_bytes(self.budget)} ({int(self.budget)} bytes) is below the minimum working set: "
+                f"op {op} ({trace.ops[op].name}) alone needs {fmt_bytes(need)} ({need} bytes)"
+            )
+        budget = self.budget if math.isfinite(self.budget) else None
+        arg = self._policy_arg
+        if callable(arg):
+            plan = arg(trace, hw, self.budget)
+        else:
+            name = arg
+            if name == "tierflow" and "tierflow" not in policy_names():
+                name = "deepum"  # ours is not in this build yet: the best present baseline
+            try:
+                plan = make_plan(name, trace, hw, budget=budget, **self._policy_options)
+            except PlanError as e:
+                raise BudgetError(str(e)) from None
+        self._start_away: dict[str, str] = {}
+        if not plan.reactive:
+            residency = validate(plan, trace, hw)
+            for tid, tier in residency.start_tier.items():
+                key = trace.tensors[tid].key
+                if tier != hw.device and key:
+                    self._start_away[key] = self._tier_of(tier)
+        try:
+            sim = simulate(trace, hw, plan, check_plan=False)
+            self.stats.predicted_step_time_s = sim.time_s if math.isfinite(sim.time_s) else None
+        except TierflowError:
+            self.stats.predicted_step_time_s = None
+        self.stats.ideal_step_time_s = trace.ideal_s
+        self.stats.policy = plan.policy
+        self.stats.replans += 1
+        self.trace, self.plan, self.hardware = trace, plan, hw
+        self._trace_sigs = self._trace_sigs_next
+        self._trace_keys = [t.key for t in trace.tensors]
+        self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
+        self._pending.clear()
+        born = [0] * (trace.n_ops + 1)
+        for t in trace.tensors:
+            if not t.persistent:
+                born[int(trace.birth[t.id])] += t.bytes
+        self._born = born
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        out = list(self.model.parameters()) + list(self.model.buffers())
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Run ops outside the iteration's bookkeeping: tensors they read are brought to
+        the device as usual, but they are not counted as ops of the iteration and their
+        results are not accounted against the budget. For what GPU code would copy to
+        the host (logging, checkpoints, checks); in CPU mode their results stand for
+        those host copies.
+
+        Example:
+            >>> # with tierflow.offload(model, opt, budget="50%") as run:
+            >>> #     ...; loss.backward()
+            >>> #     with run.untracked():
+            >>> #         norms = [p.grad.norm() for p in model.parameters()]
+        """
+        self._untracked += 1
+        try:
+            yield
+        finally:
+            self._untracked -= 1
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the runtime accounts as resident on the device right now."""
+        return self._device_bytes
+
+
+def offload(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    budget: str | int | float | None = None,
+    policy: PolicyArg = "tierflow",
+    ssd_dir: str | os.PathLike | None = None,
+    **options: Any,
+) -> Run:
+    """Train ``model`` within a device memory budget, unchanged::
+
+        with tierflow.offload(model, optimizer, budget="20GiB") as run:
+            for x, y in data:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        print(run.stats.step_time_s, run.stats.peak_device_bytes)
+
+    The first iteration is profiled on the real device (in the reactive mode, so it
+    already respects the budget), a policy plans from its trace, and every later
+    iteration follows the plan. An iteration runs from the model's first forward call to
+    ``optimizer.step()`` returning (gradient accumulation: several forwards, one step).
+    If the optimizer has no state yet (Adam's first step creates it), that first
+    iteration is a warm-up and the second is profiled.
+
+    Args:
+        model: the module, on ``cpu`` or ``cuda``.
+        optimizer: its optimizer (``None``: call ``run.end_iteration()`` after each step).
+        budget: device bytes the run may use: a size (``"20GiB"``, ``4_000_000``) or a
+            share of the profiled iteration's unconstrained peak (``"30%"``; the profile
+            iteration then runs unconstrained). ``None``: no limit (the plan only moves
+            what the policy wants moved). A budget below the minimum working set raises
+            :class:`BudgetError` before the first optimizer step.
+        policy: a name from :func:`tierflow.policies.policy_names` (``"tierflow"`` falls
+            back to ``"deepum"`` while it is not in the build), or a callable
+            ``(trace, hardware, budget_bytes) -> Plan``.
+        ssd_dir: directory for the SSD tier's file (none: no SSD tier; plans that name
+            one send those moves to host and count ``tier_fallbacks``).
+        hardware: the machine the planner and simulator assume: a preset or
+            :class:`Hardware` (CUDA default: ``h100-80g-pcie5-nvme`` with the real
+            device's capacity; CPU default: RAM as device and host with the measured
+            copy bandwidth, an NVMe-class SSD).
+        host_bytes: the pinned host pool's size (default four times the model state
+            plus the budget, bounded by eight times the model state, plus 16 MiB).
+            Pinned memory is not swappable: too much starves the host.
+        ssd_bytes: the SSD file's size (same default), allocated up front.
+        io_workers: SSD I/O threads (2: enough to keep one NVMe busy from Python).
+        policy_options: extra options for the policy (``lookahead`` for deepum, ...).
+
+    Returns:
+        A :class:`Run`; use it as a context manager.
+
+    Raises:
+        BudgetError: the budget is below the minimum working set.
+        SSDError: the SSD file cannot be created (filesystem full) or I/O failed.
+        OffloadError: the host pool is full and there is no SSD to spill to.
+
+    Example:
+        >>> import torch, tierflow
+        >>> net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> with tierflow.offload(net, opt, budget="60%", policy="lru") as run:
+        ...     for _ in range(3):
+        ...         net(torch.ones(8, 32)).sum().backward(); opt.step(); opt.zero_grad()
+        >>> run.stats.steps
+        3
+    """
+    return Run(model, optimizer, budget, policy, ssd_dir, **options)
+
+
+__all__ = ["Run", "RunStats", "offload"]

@@ -1,0 +1,201 @@
+"""Train a zoo model under :func:`~tierflow.runtime.offload`: what ``tierflow train`` and
+the demo run, with an optional bitwise parity check against plain PyTorch."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..units import fmt_bytes, fmt_seconds
+from .executor import PolicyArg, RunStats, offload
+
+
+@dataclass
+class TrainResult:
+    """One ``train`` run.
+
+    Attributes:
+        model, batch, device, policy: what ran.
+        steps: optimizer steps taken.
+        losses: the loss of every step (floats).
+        parity: ``True``/``False`` when checked against a plain run (losses, every
+            gradient of every step, final parameters, all ``torch.equal``), else None.
+        parity_detail: the first mismatch, in words.
+        plain_step_time_s: mean step time of the plain run (when it ran).
+        stats: the runtime's :class:`RunStats`.
+    """
+
+    model: str
+    batch: int
+    device: str
+    policy: str
+    steps: int
+    losses: list[float]
+    stats: RunStats
+    parity: bool | None = None
+    parity_detail: str = ""
+    plain_step_time_s: float | None = None
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON the CLI prints: the keys the issue names first, then detail."""
+        s = self.stats
+        return {
+            "steps": self.steps,
+            "step_time_s": s.step_time_s,
+            "peak_device_bytes": s.peak_device_bytes,
+            "budget_bytes": None if not math.isfinite(s.budget_bytes) else int(s.budget_bytes),
+            "moved_bytes": dict(s.moved_bytes),
+            "predicted_step_time_s": s.predicted_step_time_s,
+            "parity": self.parity,
+            "model": self.model,
+            "batch": self.batch,
+            "device": self.device,
+            "policy": s.policy or self.policy,
+            "plain_step_time_s": self.plain_step_time_s,
+            "losses": self.losses,
+            "stats": s.to_dict(),
+            "parity_detail": self.parity_detail,
+        }
+
+
+def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=contextlib.nullcontext):
+    """The user's loop, exactly as written without tierflow. Returns losses and, when
+    asked, every step's gradients (cloned before the step, inside ``aside()``: under
+    tierflow the run's ``untracked`` block, where GPU code would copy to the host)."""
+    x, y = batch
+    losses, grads, times = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        with aside():
+            if keep_grads:
+                grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return losses, grads, times
+
+
+def _compare(a_losses, a_grads, b_losses, b_grads, a_model, b_model) -> tuple[bool, str]:
+    for i, (x, y) in enumerate(zip(a_losses, b_losses)):
+        if not torch.equal(x, y):
+            return False, f"step {i}: loss {x.item()!r} vs {y.item()!r}"
+    names = [n for n, _ in a_model.named_parameters()]
+    for i, (ga, gb) in enumerate(zip(a_grads, b_grads)):
+        for n, x, y in zip(names, ga, gb):
+            if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+                return False, f"step {i}: gradient of {n} differs"
+    for (n, p), q in zip(a_model.named_parameters(), b_model.parameters()):
+        if not torch.equal(p, q):
+            return False, f"final parameter {n} differs"
+    return True, ""
+
+
+def train(
+    model: str,
+    batch: int | None = None,
+    budget: str | int | float | None = "60%",
+    steps: int = 5,
+    device: str = "cpu",
+    policy: PolicyArg = "tierflow",
+    ssd_dir: str | None = None,
+    check_parity: bool = False,
+    seq: int | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    **options: Any,
+) -> TrainResult:
+    """Train zoo model ``model`` for ``steps`` steps under :func:`offload`.
+
+    Args:
+        model: a zoo name (``gpt-tiny``, ``vit-tiny``, ``resnet-tiny``, ...).
+        batch, seq: batch size and sequence length (zoo defaults when None).
+        budget: as for :func:`offload` (bytes or a share of the unconstrained peak).
+        steps: optimizer steps (the first one or two are profiling).
+        device: ``cpu`` or ``cuda``.
+        policy: a policy name or a plan function.
+        ssd_dir: enables the SSD tier.
+        check_parity: also train an identical model without tierflow (same seed, same
+            batch) and compare every loss, every gradient and the final parameters
+            bitwise. Doubles the work.
+        optimizer: ``adamw`` (lr 1e-3) or ``sgd`` (momentum 0.9, lr 1e-2).
+        options: passed to :func:`offload` (``host_bytes``, ``policy_options``, ...).
+
+    Raises:
+        tierflow.errors.TraceError: unknown model. The runtime's errors as for
+        :func:`offload`.
+    """
+    from ..capture import zoo
+
+    spec = zoo.spec(model)
+    batch = spec.batch if batch is None else batch
+    if spec.seq is None:
+        seq = None
+
+    def build():
+        m = zoo.build(model, device=device, seed=seed)
+        params = list(m.model.parameters())
+        opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
+               else torch.optim.SGD(params, lr=1e-2, momentum=0.9))
+        return m, opt
+
+    t_start = time.perf_counter()
+    plain = None
+    plain_time = None
+    if check_parity:
+        m0, o0 = build()
+        b0 = m0.make_batch(batch, seq)
+        torch.manual_seed(seed)
+        l0, g0, t0 = _run_steps(m0.model, o0, b0, m0.loss_fn, steps, True)
+        plain = (m0, l0, g0)
+        plain_time = sum(t0[1:]) / max(1, len(t0) - 1) if len(t0) > 1 else t0[0]
+    m1, o1 = build()
+    b1 = m1.make_batch(batch, seq)
+    torch.manual_seed(seed)
+    with offload(m1.model, o1, budget=budget, policy=policy, ssd_dir=ssd_dir, **options) as run:
+        l1, g1, _ = _run_steps(m1.model, o1, b1, m1.loss_fn, steps, check_parity, run.untracked)
+    parity, detail = None, ""
+    if plain is not None:
+        parity, detail = _compare(plain[1], plain[2], l1, g1, plain[0].model, m1.model)
+    return TrainResult(model, batch, device, policy if isinstance(policy, str) else "custom", steps,
+                       [float(x) for x in l1], run.stats, parity, detail, plain_time,
+                       time.perf_counter() - t_start)
+
+
+def demo_run(model: str = "gpt-tiny", steps: int = 6, ssd_dir: str | None = None, budget: str = "50%",
+             policy: str = "tierflow", console: Any = None) -> TrainResult:
+    """The runtime's part of ``make demo``: train ``model`` a few steps in CPU mode under
+    a budget, with the host tier and (given ``ssd_dir``, else a temporary directory) the
+    SSD tier, check parity with plain PyTorch, and print predicted vs measured.
+
+    Returns the :class:`TrainResult`; prints through ``console`` (a rich Console) when given.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tierflow-demo-") as tmp:
+        res = train(model, budget=budget, steps=steps, device="cpu", policy=policy,
+                    ssd_dir=ssd_dir or tmp, check_parity=True)
+    if console is not None:
+        s = res.stats
+        console.print(f"[bold]runtime[/bold]: {model} on cpu, {steps} steps, policy {s.policy}, "
+                      f"budget {fmt_bytes(s.budget_bytes)}")
+        console.print(f"  measured step {fmt_seconds(s.step_time_s)} (plain PyTorch "
+                      f"{fmt_seconds(res.plain_step_time_s or 0)}), predicted "
+                      f"{fmt_seconds(s.predicted_step_time_s) if s.predicted_step_time_s else 'n/a'}")
+        console.print(f"  peak device {fmt_bytes(s.peak_device_bytes)} <= budget: "
+                      f"{s.peak_device_bytes <= s.budget_bytes}; moved host {fmt_bytes(s.moved_bytes.get('host', 0))}, "
+                      f"ssd {fmt_bytes(s.moved_bytes.get('ssd', 0))}; stalls {s.stalls}")
+        console.print(f"  parity with plain PyTorch (losses, gradients, parameters bitwise): {res.parity}")
+    return res
+
+
+__all__ = ["TrainResult", "demo_run", "train"]
