@@ -23,6 +23,10 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(".capture", __name__)
+    if name == "offload":  # the runtime (``with tierflow.offload(model, opt, budget=...)``), lazily too
+        from .runtime import offload
+
+        return offload
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
