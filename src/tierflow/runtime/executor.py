@@ -750,10 +750,13 @@ class Run:
 
     def _ensure_resident(self, e: _Entry) -> None:
         if e.state != RESIDENT:
+            # an SSD read that already landed in its bounce slot is a prefetch that worked
+            landed = e.state == INCOMING and e.io is not None and e.io.done()
             t0 = time.perf_counter()
             self._fetch(e)
-            self.stats.stalls += 1
-            self.stats.stall_s += time.perf_counter() - t0
+            if not landed:
+                self.stats.stalls += 1
+                self.stats.stall_s += time.perf_counter() - t0
         if e.arrival is not None:
             self._copier.wait(e.arrival)
             e.arrival = None
@@ -1042,6 +1045,15 @@ class Run:
             yield
         finally:
             self._untracked -= 1
+
+    @property
+    def tier_usage(self) -> dict[str, int]:
+        """Bytes in use right now: ``device`` (accounted), ``host`` (pool slots),
+        ``ssd`` (file slots), ``bounce`` (SSD staging)."""
+        out = {"device": self._device_bytes, "host": self._host.arena.used}
+        if self._ssd is not None:
+            out["ssd"], out["bounce"] = self._ssd.arena.used, self._ssd.bounce.used
+        return out
 
     @property
     def device_bytes(self) -> int:
