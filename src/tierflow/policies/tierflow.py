@@ -1,0 +1,447 @@
+"""``tierflow``: our policy — a planned schedule over every tier and tensor kind,
+bandwidth-aware, refined in a closed loop with the simulator.
+
+How a plan is made (:func:`_build`, one pass for one setting of the knobs):
+
+1. **What must leave.** At each op the bytes live beyond the budget (less a margin) must
+   be off the device. Candidates are every idle gap of every tensor — activations,
+   gradients, weights, optimizer state — including a persistent tensor's gap that wraps
+   the iteration boundary.
+2. **Which gaps.** Ops are swept in order; while an op is over the line, the gap covering
+   it whose tensor is needed furthest in the future (Belady's choice: it relieves memory
+   for longest per byte moved) and whose transfers fit the bandwidth timeline is taken.
+   Gaps smaller than ``min_bytes`` are skipped (their transfers cost more latency than
+   they free).
+3. **When and where.** Each route (device to host, to SSD, ...) reserves bytes per op
+   slot on every resource it crosses (links, shared buses, tier bandwidth), as the
+   simulator shares them; an eviction is packed as early as possible after the last use,
+   a prefetch as late as possible before the next ("just in time"). The destination is
+   the first tier whose capacity holds the tensor over the gap and whose transfers fit;
+   gaps long enough for a slow tier (``ssd_slack`` times its round trip) try the slowest
+   tier first so the fast one stays free for short gaps.
+4. **Closed loop.** Each candidate plan is simulated; the loop keeps the best, then
+   repairs it: prefetches that arrived late are issued earlier (by the lateness the
+   simulator measured), while memory allows, and it repeats until no stall improves or
+   the time limit is reached. The knobs (bandwidth efficiency assumed when packing,
+   memory margin) are searched the same way.
+
+The result is a planned (non-reactive) plan, checked by :func:`tierflow.plan.validate`,
+and a pure function of (trace, hardware, options): no randomness, ties broken by ids.
+
+Options:
+    time_limit (float): seconds for the whole closed loop (default 8).
+    min_bytes (int): smallest gap worth moving (default 1 MiB).
+    ssd_slack (float): a gap this many times a slow tier's round trip goes there first
+        (default 4).
+    repair_rounds (int): at most this many repair iterations (default 12).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..hardware import Hardware
+from ..plan import Move, Plan
+from ..trace import Trace
+from . import PolicyOptions, register
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One setting of the planner's trade-offs.
+
+    Attributes:
+        efficiency: share of each resource's bandwidth the packer assumes (lower leaves
+            slack for the simulator's fair sharing and FIFO engines, at the cost of
+            fewer gaps fitting).
+        margin: share of the budget kept free (absorbs evictions still in flight).
+        lead: extra op slots each prefetch is issued early (more lead, more memory).
+    """
+
+    efficiency: float = 0.9
+    margin: float = 0.0
+    lead: int = 0
+
+
+@dataclass
+class _Gap:
+    tensor: int
+    a: int  # last use before the gap
+    b: int  # next use, unrolled: b + n when the gap wraps
+    size: int
+
+
+class _Timeline:
+    """Bytes each resource can still carry in each op slot (cyclic over the iteration)."""
+
+    def __init__(self, trace: Trace, hw: Hardware, efficiency: float):
+        self.n = trace.n_ops
+        dur = trace.durations
+        self.routes: dict[tuple[str, str], list[int]] = {}
+        names: dict[str, float] = {}
+        for tier in hw.offload_tiers:
+            for src, dst in ((hw.device, tier), (tier, hw.device)):
+                res = []
+                for link in hw.route(src, dst):
+                    names[f"link:{link.name}"] = link.bandwidth
+                    res.append(f"link:{link.name}")
+                    for b in link.buses:
+                        names[f"bus:{b}"] = hw.buses[b]
+                        res.append(f"bus:{b}")
+                for key, bw in ((f"read:{src}", hw.tier(src).read_bw), (f"write:{dst}", hw.tier(dst).write_bw)):
+                    if bw != math.inf:
+                        names[key] = bw
+                        res.append(key)
+                self.routes[(src, dst)] = sorted(set(res))
+        order = sorted(names)
+        self.index = {k: i for i, k in enumerate(order)}
+        self.rem = np.array([names[k] * dur * efficiency for k in order]).reshape(len(order), self.n)
+        self.route_idx = {k: [self.index[r] for r in v] for k, v in self.routes.items()}
+
+    def _avail(self, key: tuple[str, str], idx: np.ndarray) -> np.ndarray:
+        return self.rem[self.route_idx[key]][:, idx].min(axis=0)
+
+    def forward(self, key, start: int, stop: int, nbytes: float):
+        """Pack ``nbytes`` into slots start..stop-1 (unrolled) as early as possible.
+        Returns (last slot used, takes) or None if it does not fit."""
+        if stop <= start:
+            return None
+        idx = np.arange(start, stop) % self.n
+        avail = self._avail(key, idx)
+        cum = np.cumsum(avail)
+        pos = int(np.searchsorted(cum, nbytes - 1e-6))
+        if pos >= len(cum):
+            return None
+        takes = avail[: pos + 1].copy()
+        takes[-1] -= cum[pos] - nbytes
+        first = int(np.argmax(takes > 0))
+        return start + pos, start + first, (key, idx[: pos + 1], takes)
+
+    def backward(self, key, stop: int, start: int, nbytes: float):
+        """Pack ``nbytes`` into slots stop-1 down to start (unrolled) as late as possible.
+        Returns (first slot used, takes) or None."""
+        if stop <= start:
+            return None
+        idx = np.arange(stop - 1, start - 1, -1) % self.n
+        avail = self._avail(key, idx)
+        cum = np.cumsum(avail)
+        pos = int(np.searchsorted(cum, nbytes - 1e-6))
+        if pos >= len(cum):
+            return None
+        takes = avail[: pos + 1].copy()
+        takes[-1] -= cum[pos] - nbytes
+        return stop - 1 - pos, (key, idx[: pos + 1], takes)
+
+    def commit(self, booking) -> None:
+        key, idx, takes = booking
+        for r in self.route_idx[key]:
+            np.subtract.at(self.rem[r], idx, takes)
+
+
+def _gaps(trace: Trace, min_bytes: int) -> list[_Gap]:
+    n = trace.n_ops
+    out = []
+    for g in trace.gaps:
+        size = int(trace.sizes[g.tensor])
+        if size < min_bytes:
+            continue
+        out.append(_Gap(g.tensor, g.after_op, g.before_op + (n if g.wraps else 0), size))
+    return out
+
+
+def _build(trace: Trace, hw: Hardware, budget: float, knobs: Knobs, opts: dict) -> list[Move]:
+    """One greedy pass (steps 1-3 of the module docstring)."""
+    n = trace.n_ops
+    if n == 0:
+        return []
+    dev = hw.device
+    line = budget * (1.0 - knobs.margin)
+    live = trace.live_bytes.astype(np.float64)
+    gaps = _gaps(trace, int(opts.get("min_bytes", 2**20)))
+    if not gaps or not (live > line).any():
+        return []
+    tl = _Timeline(trace, hw, knobs.efficiency)
+    tiers = list(hw.offload_tiers)
+    tier_used = {T: np.zeros(n) for T in tiers}
+    tier_cap = {T: hw.tier(T).capacity for T in tiers}
+    fast = {T: hw.route_bandwidth(dev, T) for T in tiers}
+    slack = float(opts.get("ssd_slack", 4.0))
+    A = np.array([g.a for g in gaps])
+    Bu = np.array([g.b for g in gaps])
+    size = np.array([g.size for g in gaps], dtype=np.float64)
+    taken = np.zeros(len(gaps), dtype=bool)
+    window: dict[int, list] = {}  # gap -> [first op off, last op off, prefetch move index, tier]
+    off = np.zeros(n)
+    starts = np.concatenate([trace.op_start_s, trace.op_start_s[1:] + trace.ideal_s])  # unrolled
+    moves: list[Move] = []
+    fastest = max(fast.values()) if fast else 0.0
+
+    def cover(lo: int, hi: int, arr: np.ndarray, amount: float) -> None:
+        """Add ``amount`` to arr over unrolled ops lo..hi inclusive."""
+        if hi < lo:
+            return
+        idx = np.arange(lo, hi + 1) % n
+        np.add.at(arr, idx, amount)
+
+    for k in range(n):
+        over = live[k] - off[k] - line
+        if over <= 0:
+            continue
+        # gaps covering op k (in this iteration, or wrapping from the previous one)
+        cand = np.flatnonzero(~taken & (((A < k) & (Bu > k)) | ((A < k + n) & (Bu > k + n))))
+        ku = np.where(Bu[cand] > k + n, k + n, k)  # k unrolled into each gap's frame
+        ku = np.where((A[cand] < k) & (Bu[cand] > k), k, ku)
+        # Belady: furthest next use first; ties by larger size, then id
+        order = np.lexsort((cand, -size[cand], -(Bu[cand] - ku)))
+        for j in order:
+            if over <= 0:
+                break
+            i = int(cand[j])
+            g = gaps[i]
+            kk = int(ku[j])
+            length = starts[g.b] - starts[g.a + 1]
+            tier_order = list(tiers)
+            if len(tiers) > 1:
+                slow = [T for T in tiers if fast[T] < fastest]
+                if any(length >= slack * 2 * g.size / fast[T] for T in slow):
+                    tier_order = sorted(tiers, key=lambda T: fast[T])
+            for T in tier_order:
+                ev = tl.forward((dev, T), g.a + 1, kk, g.size)
+                if ev is None:
+                    continue
+                q, e0, ev_book = ev
+                e = e0 - 1  # issue the eviction when its bytes can start moving (FIFO)
+                pf = tl.backward((T, dev), g.b, kk + 1, g.size)
+                if pf is None:
+                    continue
+                f, pf_book = pf
+                p = max(kk, f - 1 - knobs.lead)  # prefetch issued after op p (unrolled)
+                # the destination holds it from op a+1 to op p (as the validator counts)
+                if tier_cap[T] != math.inf:
+                    idx = np.arange(e + 1, p + 1) % n
+                    if (tier_used[T][idx] + g.size > tier_cap[T]).any():
+                        continue
+                    np.add.at(tier_used[T], idx, g.size)
+                tl.commit(ev_book)
+                tl.commit(pf_book)
+                cover(q + 1, p, off, g.size)
+                taken[i] = True
+                window[i] = [q + 1, p, len(moves) + 1, T, e]
+                moves.append(Move("evict", g.tensor, e % n, T))
+                moves.append(Move("prefetch", g.tensor, p % n, T, g.b % n))
+                over = live[k] - off[k] - line
+                break
+        if over > 0 and _DEBUG.get("trace"):
+            print("fallback at", k, "over MiB", over / 2**20, "cands", len(cand), "live GiB", live[k] / 2**30)
+        if over > 0:
+            # Bandwidth cannot hide what is left: take the furthest-used gaps anyway (the
+            # step will stall, but the plan fits), evicting at once and fetching back
+            # right after op k.
+            for j in order:
+                if over <= 0:
+                    break
+                i = int(cand[j])
+                if taken[i]:
+                    continue
+                g = gaps[i]
+                kk = int(ku[j])
+                for T in tiers:
+                    if tier_cap[T] != math.inf:
+                        idx = np.arange(g.a + 1, kk + 1) % n
+                        if (tier_used[T][idx] + g.size > tier_cap[T]).any():
+                            continue
+                        np.add.at(tier_used[T], idx, g.size)
+                    # fetch back just in time (by the ideal clock), not before op k
+                    back = starts[g.b] - g.size / (fast[T] * knobs.efficiency)
+                    p = max(kk, min(g.b - 1, int(np.searchsorted(starts, back, side="right")) - 2))
+                    if tier_cap[T] != math.inf:
+                        idx = np.arange(kk + 1, p + 1) % n
+                        if (tier_used[T][idx] + g.size > tier_cap[T]).any():
+                            p = kk
+                        else:
+                            np.add.at(tier_used[T], idx, g.size)
+                    ev = tl.forward((dev, T), g.a + 1, g.b, g.size)
+                    if ev is not None:
+                        tl.commit(ev[2])
+                    pf = tl.backward((T, dev), g.b, p + 1, g.size)
+                    if pf is not None:
+                        tl.commit(pf[1])
+                    cover(g.a + 1, p, off, g.size)
+                    taken[i] = True
+                    window[i] = [g.a + 1, p, len(moves) + 1, T, g.a]
+                    moves.append(Move("evict", g.tensor, g.a, T))
+                    moves.append(Move("prefetch", g.tensor, p % n, T, g.b % n))
+                    over = live[k] - off[k] - line
+                    break
+        if over > 0:
+            # Gaps already taken whose planned absence misses op k (their prefetch was
+            # packed before k, or their eviction ends after it): hold them off through
+            # op k, as the validator counts them.
+            every = np.flatnonzero(((A < k) & (Bu > k)) | ((A < k + n) & (Bu > k + n)))
+            for i in sorted(every.tolist(), key=lambda i: (-(Bu[i] - A[i]), i)):
+                if over <= 0:
+                    break
+                if not taken[i]:
+                    continue
+                g = gaps[i]
+                kk = k if A[i] < k < Bu[i] else k + n
+                lo, hi, mi, T, e = window[i]
+                if lo <= kk <= hi:
+                    continue
+                if hi < kk:
+                    dest = _room_for(tier_used, tier_cap, tiers, T, e + 1, hi, kk, g.size, n)
+                    if dest is None:
+                        continue
+                    cover(hi + 1, kk, off, g.size)
+                    window[i][1], window[i][3] = kk, dest
+                    moves[mi - 1] = Move("evict", g.tensor, e % n, dest)
+                    moves[mi] = Move("prefetch", g.tensor, kk % n, dest, g.b % n)
+                elif e < kk:  # eviction issued before k but finishing after: count it off from its issue, as planned
+                    cover(e + 1, lo - 1, off, g.size)
+                    window[i][0] = e + 1
+                over = live[k] - off[k] - line
+    _DEBUG["off"] = off
+    return moves
+
+
+_DEBUG: dict = {}
+
+
+def _room_for(used, cap, tiers, T, lo, hi, new_hi, size, n):
+    """A tier that can hold a gap's tensor over ops lo..new_hi (unrolled) when its absence
+    is extended from ..hi: its own tier ``T`` if it has room, else another (moving the
+    gap's bookkeeping there). Returns the tier, or None."""
+    ext = np.arange(hi + 1, new_hi + 1) % n
+    if cap[T] == math.inf or not (used[T][ext] + size > cap[T]).any():
+        np.add.at(used[T], ext, size)
+        return T
+    full = np.arange(lo, new_hi + 1) % n
+    for T2 in tiers:
+        if T2 != T and (cap[T2] == math.inf or not (used[T2][full] + size > cap[T2]).any()):
+            np.add.at(used[T], np.arange(lo, hi + 1) % n, -size)
+            np.add.at(used[T2], full, size)
+            return T2
+    return None
+
+
+def _score(trace: Trace, hw: Hardware, plan: Plan):
+    from ..simulate import simulate
+
+    res = simulate(trace, hw, plan)
+    return (res.time_s if res.fits or not res.error else math.inf), res
+
+
+def _repair(trace: Trace, hw: Hardware, budget: float, moves: list[Move], res) -> list[Move]:
+    """Issue late prefetches earlier by the lateness the simulator measured, while the
+    planned device bytes stay within the budget."""
+    from ..plan import validate
+
+    n = trace.n_ops
+    ends = trace.op_start_s[1:]
+    stall = res.op_stall_s
+    late: dict[int, float] = {}
+    for rec in res.transfers:
+        if rec.kind not in ("prefetch", "fault"):
+            continue
+    stalled = np.flatnonzero(stall > 0)
+    if stalled.size == 0:
+        return moves
+    # tensors each stalled op waited on: prefetched ones that ended at the op's start
+    by_tensor: dict[int, list[int]] = {}
+    for i, m in enumerate(moves):
+        if m.kind == "prefetch":
+            by_tensor.setdefault(m.tensor, []).append(i)
+    for k in stalled.tolist():
+        for t in trace.op_tensors[k]:
+            for i in by_tensor.get(t, ()):
+                if moves[i].needed_by == k:
+                    late[i] = max(late.get(i, 0.0), float(stall[k]))
+    if not late:
+        return moves
+    new = list(moves)
+    for i, lateness in late.items():
+        m = new[i]
+        p = m.after_op
+        # the op whose end lies `lateness` earlier (bounded by the eviction of the gap)
+        target = ends[p] - 1.5 * lateness
+        q = int(np.searchsorted(ends, target))
+        q = max(q, 0)
+        evict_op = next(
+            (x.after_op for x in moves if x.kind == "evict" and x.tensor == m.tensor and _in_gap(x.after_op, m.after_op, m.needed_by, n)),
+            None,
+        )
+        if evict_op is None:
+            continue
+        if p > evict_op:
+            q = max(q, evict_op + 1)
+        elif q > p:  # wrapped: keep it in the same iteration position
+            continue
+        if q < p:
+            new[i] = Move("prefetch", m.tensor, q, m.tier, m.needed_by)
+    try:
+        validate(Plan("tierflow", new, budget_bytes=budget), trace, hw)
+    except Exception:
+        return moves
+    return new
+
+
+def _in_gap(evict_op: int, pf_op: int, need: int, n: int) -> bool:
+    """Is this eviction the one that opens the gap the prefetch closes?"""
+    if need > evict_op:  # gap inside one iteration
+        return evict_op < pf_op < need or (pf_op == evict_op == need - 1)
+    return pf_op > evict_op or pf_op < need
+
+
+@register("tierflow")
+def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
+    """Plan with ``tierflow`` (see the module docstring for the method and options)."""
+    from ..plan import validate
+
+    t0 = time.perf_counter()
+    opts = dict(options.extra or {})
+    limit = float(opts.get("time_limit", 8.0))
+    budget = options.budget_bytes
+    grid = [Knobs(e, mg, ld) for e, mg, ld in ((0.9, 0.0, 0), (0.8, 0.02, 0), (1.0, 0.0, 0), (0.7, 0.05, 1))]
+    best: tuple[float, list[Move], Knobs] | None = None
+    tried = []
+    for kn in grid:
+        if best is not None and time.perf_counter() - t0 > limit * 0.6:
+            break
+        moves = _build(trace, hardware, budget, kn, opts)
+        plan = Plan("tierflow", moves, budget_bytes=budget)
+        validate(plan, trace, hardware)
+        score, res = _score(trace, hardware, plan)
+        tried.append((kn, score))
+        if best is None or score < best[0]:
+            best = (score, moves, kn, res)
+        if score <= trace.ideal_s * (1 + 1e-9):
+            break
+    assert best is not None
+    score, moves, kn, res = best
+    rounds = 0
+    for _ in range(int(opts.get("repair_rounds", 12))):
+        if time.perf_counter() - t0 > limit or score <= trace.ideal_s * (1 + 1e-9):
+            break
+        new = _repair(trace, hardware, budget, moves, res)
+        if new == moves:
+            break
+        s2, r2 = _score(trace, hardware, Plan("tierflow", new, budget_bytes=budget))
+        rounds += 1
+        if s2 >= score:
+            break
+        score, moves, res = s2, new, r2
+    return Plan(
+        "tierflow",
+        tuple(moves),
+        budget_bytes=budget,
+        meta={
+            "planning_s": time.perf_counter() - t0,
+            "knobs": {"efficiency": kn.efficiency, "margin": kn.margin, "lead": kn.lead},
+            "repair_rounds": rounds,
+            "predicted_step_s": score,
+        },
+    )
