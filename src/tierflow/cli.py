@@ -135,14 +135,23 @@ def main(argv: list[str] | None = None) -> int:
 def _run_policies(
     trace: Any, hw: Any, names: list[str], budget: Any, show_progress: bool, options: dict | None = None
 ) -> list[Any]:
-    from .policies import make_plan
-    from .simulate import simulate
+    from .errors import PlanError
+    from .policies import make_plan, resolve_budget
+    from .simulate import SimResult, simulate
 
+    resolve_budget(trace, hw, budget)  # a budget nothing can meet stops here, once
     results = []
     total = len(names) * 2 * trace.n_ops
     with u.progress(f"simulating {trace.name}", total, enabled=show_progress) as update:
         for k, name in enumerate(names):
-            plan = make_plan(name, trace, hw, budget=budget, **(options or {}))
+            try:
+                plan = make_plan(name, trace, hw, budget=budget, **(options or {}))
+            except PlanError as e:
+                if len(names) == 1:
+                    raise
+                # one policy that cannot fit is a row of the comparison, not its end
+                results.append(SimResult.unplanned(name, trace, hw, str(e)))
+                continue
             base = k * 2 * trace.n_ops
             results.append(simulate(trace, hw, plan, progress=lambda d, _t, b=base: update(b + d)))
     return results
@@ -292,15 +301,20 @@ def _print_results(trace: Any, hw: Any, results: list[Any]) -> None:
         table.add_column(f"peak {name}", justify="right")
     table.add_column("fits")
     for r in results:
-        row = [r.policy, fmt_seconds(r.time_s), f"{r.ratio:.3f}", fmt_seconds(r.stall_s)]
-        row += [f"{r.traffic_bytes.get(n, 0) / 1e9:.1f}" for n in links]
-        row += [f"{r.peak_bytes.get(n, 0) / 2**30:.1f}" for n in tiers]
+        if r.error:  # no plan, or the plan cannot run: nothing measured to show
+            row = [r.policy, "no plan" if not r.peak_bytes.get(hw.device) else "fails", "-", "-"]
+            row += ["-"] * (len(links) + len(tiers))
+        else:
+            row = [r.policy, fmt_seconds(r.time_s), f"{r.ratio:.3f}", fmt_seconds(r.stall_s)]
+            row += [f"{r.traffic_bytes.get(n, 0) / 1e9:.1f}" for n in links]
+            row += [f"{r.peak_bytes.get(n, 0) / 2**30:.1f}" for n in tiers]
         row.append("[green]yes[/]" if r.fits else "[red]no[/]")
         table.add_row(*row)
     con.print(table)
     for r in results:
         if r.error:
-            con.print(f"[red]{r.policy}[/]: {r.error}")
+            msg = r.error if r.error.startswith(f"{r.policy}:") else f"{r.policy}: {r.error}"
+            con.print(f"[red]{msg}[/]")
 
 
 def _verdict(trace: Any, hw: Any, results: list[Any]) -> str:

@@ -61,6 +61,23 @@ class SimResult:
     memory: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def unplanned(cls, policy: str, trace: Any, hardware: Any, reason: str) -> SimResult:
+        """The result of a policy that could make no plan (it cannot fit)."""
+        return cls(
+            policy=policy,
+            trace=trace.name,
+            hardware=hardware.name,
+            time_s=math.inf,
+            ideal_s=trace.ideal_s,
+            stall_s=math.inf,
+            traffic_bytes={link.name: 0 for link in hardware.links},
+            peak_bytes={t.name: 0 for t in hardware.tiers},
+            fits=False,
+            budget_bytes=hardware.device_capacity,
+            error=reason,
+        )
+
     @property
     def ratio(self) -> float:
         if not math.isfinite(self.time_s) or self.time_s <= 0:

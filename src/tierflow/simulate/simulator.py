@@ -415,16 +415,6 @@ class _Simulator:
         )
 
     def failed(self, reason: str) -> SimResult:
-        return SimResult(
-            policy=self.plan.policy,
-            trace=self.trace.name,
-            hardware=self.hw.name,
-            time_s=math.inf,
-            ideal_s=self.trace.ideal_s,
-            stall_s=math.inf,
-            traffic_bytes={link.name: 0 for link in self.hw.links},
-            peak_bytes={t.name: 0 for t in self.hw.tiers},
-            fits=False,
-            budget_bytes=self.plan.budget_bytes,
-            error=reason,
-        )
+        res = SimResult.unplanned(self.plan.policy, self.trace, self.hw, reason)
+        res.budget_bytes = self.plan.budget_bytes
+        return res
