@@ -1,10 +1,11 @@
 """The copy engines: transfers as fluid flows over shared links, buses and tiers.
 
 Every (source tier, destination tier) pair has one copy engine that serves its transfers
-in order (as a CUDA copy stream does). Demand faults have a queue of their own beside it:
-a fault is serviced when it happens, as a UVM driver's fault path is, not behind the
-prefetches and evictions already queued on that pair; the two queues share bandwidth. The transfer at the head of each engine first
-waits out its latency, then moves bytes. All moving transfers share bandwidth max-min
+in order (as a CUDA copy stream does). Demand faults are not queued: a fault is
+serviced when it happens, as a UVM driver services faults in batches, not behind the
+prefetches and evictions already queued on that pair nor behind other faults (their
+latencies overlap). A transfer at the head of an engine, and every fault, first waits
+out its latency, then moves bytes. All moving transfers share bandwidth max-min
 fairly over the resources they cross: each link of their route, each bus those links
 declare, the source tier's read bandwidth and the destination tier's write bandwidth.
 Rates change only when a transfer starts or ends, so the engine advances from event to
@@ -64,7 +65,8 @@ class CopyEngines:
             if tier.write_bw != math.inf:
                 self._resource(f"write:{tier.name}", tier.write_bw)
         self._routes: dict[tuple[str, str], tuple[tuple[int, ...], tuple[str, ...], float]] = {}
-        self._queues: dict[tuple[str, str, bool], deque[Flow]] = {}  # (src, dst, is_fault)
+        self._queues: dict[tuple, deque[Flow]] = {}  # (src, dst), or (src, dst, n) for fault n
+        self._faults = 0
         self.active: list[Flow] = []  # heads of the queues
         self.window_start = math.inf  # traffic is counted from here on
         self.traffic: dict[str, float] = {link.name: 0.0 for link in hw.links}
@@ -107,7 +109,13 @@ class CopyEngines:
             raise ValueError(f"no route from {src} to {dst} on {self.hw.name}")
         f = Flow(tensor, nbytes, src, dst, kind, self.now, latency + extra_latency, res, links, on_done)
         f.remaining = float(nbytes)
-        q = self._queues.setdefault((src, dst, kind == "fault"), deque())
+        if kind == "fault":
+            self._faults += 1
+            key: tuple = (src, dst, self._faults)
+        else:
+            key = (src, dst)
+        f.extra["queue"] = key
+        q = self._queues.setdefault(key, deque())
         q.append(f)
         if len(q) == 1:
             self._activate(f)
@@ -171,10 +179,13 @@ class CopyEngines:
         f.remaining, f.end_s = 0.0, self.now
         self.active.remove(f)
         self.done.append(f)
-        q = self._queues[(f.src, f.dst, f.kind == "fault")]
+        key = f.extra["queue"]
+        q = self._queues[key]
         q.popleft()
         if q:
             self._activate(q[0])
+        elif len(key) == 3:
+            del self._queues[key]  # a fault's own queue
 
     def run_until(self, t: float) -> None:
         """Process every event up to time ``t``, then move the clock to ``t``."""
