@@ -117,7 +117,11 @@ class Planner:
         >>> plan = p.plan("vdnn")                                # doctest: +SKIP
     """
 
-    def __init__(self, trace: Trace, hardware: Hardware, budget: float):
+    def __init__(self, trace: Trace, hardware: Hardware, budget: float, assume_room: bool = False):
+        # assume_room: choose as if the offload tiers were unbounded (as SINGA and Myelin
+        # assume of host memory) and check capacity only at the end. A choice that does
+        # not depend on the host's size cannot get worse when the host grows.
+        self.assume_room = assume_room
         self.trace, self.hw, self.budget = trace, hardware, float(budget)
         self.n = trace.n_ops
         self.sizes = trace.sizes
@@ -165,7 +169,7 @@ class Planner:
             cap = self.hw.tier(tier).capacity
             size = int(self.sizes[g.tensor])
             w = self.tiers[tier].window(g.after_op + 1, q)
-            if w.size and w.max() + size > cap:
+            if not self.assume_room and w.size and w.max() + size > cap:
                 continue
             self.device.add(g.after_op + 1, q, -size)
             self.tiers[tier].add(g.after_op + 1, q, size)

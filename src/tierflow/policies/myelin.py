@@ -20,7 +20,9 @@ Here, on any trace:
   an operation's messages are queued ahead of it), later where the budget needs it.
 
 Activations are never moved, so when they alone exceed the budget the policy raises
-:class:`PlanError` with the bytes; so it does when host memory is full.
+:class:`PlanError` with the bytes; so it does when host memory is full. Like the
+paper, the choice assumes host memory is large enough and checks it only at the end, so
+a larger host never changes a plan that fits.
 
 Options:
     park (str): ``needed`` (default) or ``all``.
@@ -78,7 +80,7 @@ def myelin(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     tier = str(options.get("tier", "")) or pick_tier(hardware, ("host",))
     hardware.tier(tier)
     n = trace.n_ops
-    p = Planner(trace, hardware, options.budget_bytes)
+    p = Planner(trace, hardware, options.budget_bytes, assume_room=True)
     gaps = model_state_gaps(trace)
     if park == "needed":
         for g in gaps:
@@ -89,6 +91,8 @@ def myelin(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         if p.excess() > 0:
             raise p.no_fit("myelin", f"with {len(p.offloads)} model-state gaps parked on {tier}")
         p.place_prefetches()
+        if not p.fits():
+            raise p.no_fit("myelin", f"the {len(p.offloads)} parked model-state gaps overflow {tier} memory")
     else:
         k = int(options.get("lookahead", 8))
         min_ops = int(options.get("min_gap_ops", 2))

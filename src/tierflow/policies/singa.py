@@ -18,9 +18,10 @@ known after one iteration. SINGA swaps variables GPU -> CPU during their idle pe
     link); blocks whose idle period cannot hide both transfers are not swapped.
 
 Here the limit is the device budget, blocks are tensors (persistent ones with their
-gaps that wrap across iterations included) and the swap goes to host memory. When no
-candidate is left and the peak is still over the limit, or host memory is full, the
-policy raises :class:`PlanError` with the bytes.
+gaps that wrap across iterations included) and the swap goes to host memory, which
+SINGA assumes is large enough: the selection does not look at host capacity. When no
+candidate is left and the peak is still over the limit, or the chosen swaps overflow
+host memory, the policy raises :class:`PlanError` with the bytes.
 
 Options:
     mode (str): ``stick-to-limit`` (default) or ``no-overhead``.
@@ -78,7 +79,7 @@ def singa(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     hardware.tier(tier)
     n = trace.n_ops
     limit = float(options.budget_bytes)
-    p = Planner(trace, hardware, limit)
+    p = Planner(trace, hardware, limit, assume_room=True)
     sizes = trace.sizes
 
     gaps = [g for g in trace.gaps if sizes[g.tensor] >= min_bytes and gap_end(g, n) - g.after_op >= 2]
@@ -115,8 +116,9 @@ def singa(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         taken[best] = True
         rounds += 1
         g = gaps[best]
-        if p.take(g, tier, prefetch_after=int(q[best])) is None:
-            continue  # the host is full over this block's idle period
+        p.take(g, tier, prefetch_after=int(q[best]))
     if mode == "stick-to-limit":
         p.place_prefetches()
+    if not p.fits():
+        raise p.no_fit("singa", f"{mode}: the {len(p.offloads)} swapped blocks overflow {tier} memory")
     return p.plan("singa", {"mode": mode, "tier": tier, "candidates": len(gaps), "rounds": rounds})
