@@ -124,6 +124,8 @@ class RunStats:
         tier_fallbacks: moves sent to host because the plan's tier is missing or full.
         stale_plans: iterations that departed from the trace; replans: plans made.
         stale_reasons: the first few departures, in words.
+        plan_error: why the current plan failed :func:`tierflow.plan.validate`, if it did
+            (it is executed anyway: what it gets wrong is fetched on demand).
         predicted_step_time_s: the simulator's step time for the current plan.
         ideal_step_time_s: the trace's sum of op times (no transfers).
         policy: the policy that made the current plan.
@@ -155,6 +157,7 @@ class RunStats:
     replans: int = 0
     stale_reasons: list[str] = field(default_factory=list)
     predicted_step_time_s: float | None = None
+    plan_error: str | None = None
     ideal_step_time_s: float | None = None
     policy: str = ""
     host_pool_bytes: int = 0
@@ -190,15 +193,50 @@ def _u8(st: torch.UntypedStorage, n: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (n,), (1,))
 
 
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+_NAMES: dict[Any, str] = {}
+
+
+def _op_name(func) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = func._schema.name
+    return name
+
+
 def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensor arguments the op writes (in-place ``self``, ``out=``), from its schema."""
+    """Tensor arguments the op writes (in-place ``self``, ``out=``), from its schema
+    (positions cached per op: this runs for every op)."""
+    spots = _WRITES.get(func)
+    if spots is None:
+        spots = _WRITES[func] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+    if not spots:
+        return []
     out: list[torch.Tensor] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        out += [x for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]
+    for i, name in spots:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        out += _leaves(v)
     return out
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (tensors, and lists/tuples of them: all
+    that aten schemas allow), faster than a general pytree walk."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        out: list[torch.Tensor] = []
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                out += [y for y in x if isinstance(y, torch.Tensor)]
+        return out
+    if isinstance(obj, dict):
+        return _leaves(list(obj.values()))
+    return []
 
 
 class _Mode(TorchDispatchMode):
@@ -288,6 +326,7 @@ class Run:
         self._device_bytes = 0
         self._quiet = False
         self._untracked = 0
+        self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         self._in_iter = False
         self._need_profile = True
         self._max_out = 0
@@ -437,10 +476,11 @@ class Run:
             self._quiet = False
 
     def _handle(self, func, args, kwargs):
-        self._reap()
+        if self._dead or self._frees or self._writes:
+            self._reap()
         if self._pending:
             self._issue_pending()
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        tensors = _leaves(args) + (_leaves(list(kwargs.values())) if kwargs else [])
         if self._untracked:
             for t in tensors:
                 e = self._entries.get(t.untyped_storage()._cdata) if t.device.type == self.device.type else None
@@ -452,8 +492,9 @@ class Run:
         in_iter = self._in_iter
         i = self._op if in_iter else -1
         sig = None
+        name = _op_name(func)
         if in_iter and (self._recording or self._planned):
-            sig = (func._schema.name, tuple((tuple(t.shape), t.dtype) for t in tensors))
+            sig = (name, tuple((tuple(t.shape), t.dtype) for t in tensors))
             if self._planned and not self._stale and (i >= len(self._trace_sigs) or self._trace_sigs[i] != sig):
                 want = self._trace_sigs[i][0] if i < len(self._trace_sigs) else "the end of the iteration"
                 self._mark_stale(f"op {i}: ran {sig[0]} {[s for s, _ in sig[1]]}, the trace has {want}")
@@ -462,15 +503,17 @@ class Run:
         self._make_room(away + expect, ins)
         for e in ins:
             self._ensure_resident(e)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if self._recording else 0.0
         out = func(*args, **kwargs)
-        dur = time.perf_counter() - t0
-        out_t = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
-        name = func._schema.name
-        outs = [e for e in (self._entry(t, f"{name}#{i}") for t in out_t + _written_args(func, args, kwargs))
-                if e is not None]
+        dur = time.perf_counter() - t0 if self._recording else 0.0
+        label = f"{name}#{i}"
+        outs = [e for e in (self._entry(t, label) for t in _leaves(out)) if e is not None]
         new_bytes = 0
-        for e in outs:
+        for t in _written_args(func, args, kwargs):
+            e = self._entry(t, label)
+            if e is None:
+                continue
+            outs.append(e)
             st = e.ref()
             if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
                 self._device_bytes += st.nbytes() - e.nbytes
@@ -516,7 +559,7 @@ class Run:
     def _entry(self, t: torch.Tensor, produced_by: str | None = None) -> _Entry | None:
         """The entry of ``t``'s storage (made on first sight), or None if it is not on the
         device or has no storage."""
-        if t.device.type != self.device.type:
+        if getattr(t, self._dev_attr) is not True:  # is_cpu / is_cuda: cheaper than t.device
             return None
         try:
             st = t.untyped_storage()
@@ -644,6 +687,8 @@ class Run:
         more bytes fit the budget."""
         if self._device_bytes + need <= self.budget:
             return
+        if self._in_step:  # state the optimizer created in this step is evictable too
+            self._label_opt_state()
         pinned = {e.cdata for e in keep}
         for e in self._victims(pinned):
             if self._device_bytes + need <= self.budget:
@@ -972,6 +1017,7 @@ class Run:
         from ..simulate import simulate
 
         hw = self._hardware_for(trace)
+        self.stats.plan_error = None
         if self._budget_share is not None:
             self.budget = self._budget_share * trace.peak_live_bytes
             self.stats.budget_bytes = self.budget
@@ -992,14 +1038,24 @@ class Run:
             try:
                 plan = make_plan(name, trace, hw, budget=budget, **self._policy_options)
             except PlanError as e:
-                raise BudgetError(str(e)) from None
+                # The policy cannot plan for this budget (the budget itself is above the
+                # minimum working set: checked above). Training goes on with the reactive
+                # pager, which needs no plan; stats.plan_error says why.
+                plan = Plan(policy=f"lru (fallback from {name})", budget_bytes=self.budget, reactive=True)
+                self.stats.plan_error = str(e)
         self._start_away: dict[str, str] = {}
         if not plan.reactive:
-            residency = validate(plan, trace, hw)
-            for tid, tier in residency.start_tier.items():
-                key = trace.tensors[tid].key
-                if tier != hw.device and key:
-                    self._start_away[key] = self._tier_of(tier)
+            try:
+                residency = validate(plan, trace, hw)
+            except PlanError as e:
+                # A policy bug, not a reason to stop training: the executor fetches whatever
+                # a plan gets wrong on demand and keeps the budget by itself. Say so.
+                self.stats.plan_error = str(e)
+            else:
+                for tid, tier in residency.start_tier.items():
+                    key = trace.tensors[tid].key
+                    if tier != hw.device and key:
+                        self._start_away[key] = self._tier_of(tier)
         try:
             sim = simulate(trace, hw, plan, check_plan=False)
             self.stats.predicted_step_time_s = sim.time_s if math.isfinite(sim.time_s) else None

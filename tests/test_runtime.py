@@ -1,0 +1,315 @@
+"""The runtime: plans executed in real (CPU) training, bitwise parity with plain PyTorch,
+the budget, stale plans, SSD faults, the SSD file's life, the CLI."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierflow.capture import zoo
+from tierflow.plan import validate
+from tierflow.policies import policy_names
+from tierflow.runtime import BudgetError, SSDError, offload, roundtrip_plan, train
+from tierflow.runtime.tiers import Arena, SSDStore, clean_stale
+
+MODELS = ("gpt-tiny", "vit-tiny", "resnet-tiny")
+# SINGA only swaps blocks of at least 1 MB (the paper's threshold): scaled to tiny models
+OPTIONS = {"singa": {"min_bytes": 4096}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models: threads only add contention (and make timing noisy on a shared box)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _roundtrip(trace, hw, budget):
+    plan = roundtrip_plan(trace, hw)
+    validate(plan, trace, hw)  # a planned plan, checked like any policy's
+    return plan
+
+
+# -- the allocator ------------------------------------------------------------------------
+
+
+def test_arena_first_fit_coalesces_and_refuses_when_full():
+    a = Arena(1024, align=64)
+    x, y, z = a.alloc(100), a.alloc(64), a.alloc(200)
+    assert (x, y, z) == (0, 128, 192)
+    a.release(y, 64)
+    assert a.alloc(64) == 128  # the hole is reused
+    a.release(x, 100)
+    a.release(128, 64)
+    assert a.largest_free() >= 192  # 0..192 merged
+    assert a.alloc(2000) is None
+    a.release(z, 200)
+    assert a.used == 0 and a.largest_free() == 1024
+
+
+# -- parity ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_roundtrip_parity_every_kind_through_host_and_ssd(model, tmp_path):
+    """Every parameter, gradient, optimizer state and saved activation leaves the device
+    in every gap, alternating host and SSD; 20 steps stay bitwise equal to plain PyTorch."""
+    res = train(model, budget=None, steps=20, policy=_roundtrip, ssd_dir=str(tmp_path), check_parity=True)
+    assert res.parity, res.parity_detail
+    kinds = res.stats.moves_by_kind
+    for kind in ("parameter", "gradient", "optimizer_state", "activation"):
+        for tier in ("host", "ssd"):
+            assert kinds.get(f"{kind}@{tier}", 0) > 0, (kind, tier, kinds)
+    s = res.stats
+    assert s.planned_steps >= 17 and s.stale_plans == 0
+    assert s.transfers["device->ssd"] > 0 and s.transfers["ssd->device"] > 0
+    assert list(tmp_path.iterdir()) == []  # the SSD file and its directory are gone
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_every_policy_parity_and_budget(policy, tmp_path):
+    """Each policy at a budget it can plan for (the tightest of 60/80/95% of the peak),
+    on a model picked round-robin: 20 steps bitwise equal, peak within the budget."""
+    model = MODELS[policy_names().index(policy) % len(MODELS)]
+    tried = {}
+    for budget in ("60%", "80%", "95%"):
+        res = train(model, budget=budget, steps=20, policy=policy, ssd_dir=str(tmp_path), check_parity=True,
+                    policy_options=OPTIONS.get(policy))
+        s = res.stats
+        # whatever the policy made of it, training is exact and within the budget
+        assert res.parity, res.parity_detail
+        assert s.peak_device_bytes <= s.budget_bytes
+        tried[budget] = s.plan_error
+        if s.plan_error is None:  # the policy planned (else the runtime fell back to its pager)
+            break
+    if s.plan_error is None:
+        assert s.policy == policy
+    else:  # the policy's problem, not the runtime's: it trained exactly on its pager; say so
+        assert s.policy == f"lru (fallback from {policy})"
+        warnings.warn(f"policy {policy} planned for none of the budgets: {tried}", stacklevel=1)
+    assert s.planned_steps >= 17 and s.stale_plans == 0
+    assert s.predicted_step_time_s is not None and s.predicted_step_time_s > 0
+    if policy != "ideal":
+        assert sum(s.moved_bytes.values()) > 0  # the budget made something move
+
+
+def test_budget_in_bytes_is_enforced_from_the_first_step():
+    m = zoo.build("mlp-tiny", seed=0)
+    x, y = m.make_batch(8)
+    opt = torch.optim.AdamW(m.model.parameters(), lr=1e-3)
+    total = sum(p.untyped_storage().nbytes() for p in m.model.parameters())
+    budget = int(2.5 * total)  # below weights + grads + two Adam moments
+    with offload(m.model, opt, budget=budget, policy="lru") as run:
+        for _ in range(6):
+            m.loss_fn(m.model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.stats.peak_device_bytes <= budget
+    assert run.stats.unplanned_evictions > 0 and run.stats.moved_bytes["host"] > 0
+
+
+def test_budget_below_working_set_fails_before_any_update():
+    m = zoo.build("mlp-tiny", seed=0)
+    x, y = m.make_batch(8)
+    opt = torch.optim.AdamW(m.model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in m.model.parameters()]
+    with pytest.raises(BudgetError, match=r"minimum working set: .* needs .* bytes"):
+        with offload(m.model, opt, budget="8KiB", policy="lru"):
+            for _ in range(3):
+                m.loss_fn(m.model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    for p, q in zip(m.model.parameters(), before):
+        assert p.untyped_storage().nbytes() == q.untyped_storage().nbytes()
+        assert torch.equal(p, q)  # nothing was updated, nothing left off the device
+
+
+# -- stale plans --------------------------------------------------------------------------
+
+
+def _plain_and_offloaded(batches, tmp_path, **kw):
+    def build():
+        m = zoo.build("gpt-tiny", seed=0)
+        return m, torch.optim.AdamW(m.model.parameters(), lr=1e-3)
+
+    def loop(m, opt, aside=None):
+        losses = []
+        for x, y in batches:
+            loss = m.loss_fn(m.model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    m0, o0 = build()
+    ref = loop(m0, o0)
+    m1, o1 = build()
+    with offload(m1.model, o1, ssd_dir=str(tmp_path), **kw) as run:
+        got = loop(m1, o1)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    for p, q in zip(m0.model.parameters(), m1.model.parameters()):
+        assert torch.equal(p, q)
+    return run
+
+
+def test_stale_plan_batch_shape_change_replans_and_stays_exact(tmp_path):
+    g = zoo.build("gpt-tiny", seed=0).make_batch
+    long, short = g(4, 32), g(4, 16)
+    batches = [long] * 4 + [short] * 4 + [long] * 3
+    run = _plain_and_offloaded(batches, tmp_path, budget="3MiB", policy=_roundtrip)
+    s = run.stats
+    assert s.stale_plans >= 2  # to short, and back to long
+    assert s.replans >= 3
+    assert any("the trace has" in r for r in s.stale_reasons)
+    assert s.peak_device_bytes <= s.budget_bytes
+
+
+# -- SSD ----------------------------------------------------------------------------------
+
+
+def test_ssd_file_is_private_preallocated_and_removed(tmp_path):
+    store = SSDStore(tmp_path, capacity=1 << 20, bounce_bytes=1 << 20)
+    try:
+        assert stat.S_IMODE(store.dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
+        assert store.path.stat().st_blocks * 512 >= 1 << 20  # allocated, not sparse
+    finally:
+        store.close()
+    assert not store.dir.exists()
+
+
+def test_stale_run_directory_of_a_dead_process_is_removed(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"tierflow-{int(proc.stdout)}-abc"
+    dead.mkdir()
+    (dead / "swap").write_bytes(b"x" * 10)
+    mine = tmp_path / f"tierflow-{os.getpid()}-def"
+    mine.mkdir()
+    assert clean_stale(tmp_path) == [dead]
+    assert not dead.exists() and mine.exists()
+
+
+def test_ssd_full_on_a_tiny_filesystem_fails_at_start(tmp_path):
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        m = zoo.build("mlp-tiny", seed=0)
+        opt = torch.optim.SGD(m.model.parameters(), lr=0.1)
+        before = [p.detach().clone() for p in m.model.parameters()]
+        with pytest.raises(SSDError, match="cannot pre-allocate 8.00 MiB"):
+            with offload(m.model, opt, budget=None, ssd_dir=str(mnt), ssd_bytes="8MiB"):
+                pass
+        assert list(mnt.iterdir()) == []  # nothing left behind
+        assert all(torch.equal(p, q) for p, q in zip(m.model.parameters(), before))
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_ssd_write_error_keeps_model_and_optimizer_intact(tmp_path, monkeypatch):
+    """ENOSPC injected into the 40th SSD write, mid-training: a clear SSDError, and the
+    model and optimizer equal those of plain PyTorch after the steps that completed."""
+    calls = {"n": 0}
+    real = SSDStore._pwrite
+
+    def failing(self, buf, off):
+        calls["n"] += 1
+        if calls["n"] >= 40:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, buf, off)
+
+    monkeypatch.setattr(SSDStore, "_pwrite", failing)
+    m = zoo.build("mlp-tiny", seed=0)
+    x, y = m.make_batch(8)
+    opt = torch.optim.AdamW(m.model.parameters(), lr=1e-3)
+    with pytest.raises(SSDError, match="No space left on device.*intact"):
+        with offload(m.model, opt, policy=_roundtrip, ssd_dir=str(tmp_path)) as run:
+            for _ in range(50):
+                m.loss_fn(m.model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    done = run.stats.steps
+    assert 1 <= done < 50
+    ref = zoo.build("mlp-tiny", seed=0)
+    ropt = torch.optim.AdamW(ref.model.parameters(), lr=1e-3)
+    for _ in range(done):
+        ref.loss_fn(ref.model(x), y).backward()
+        ropt.step()
+        ropt.zero_grad()
+    for p, q in zip(m.model.parameters(), ref.model.parameters()):
+        assert torch.equal(p, q)
+    for p, q in zip(m.model.parameters(), ref.model.parameters()):
+        for k, v in ropt.state[q].items():
+            assert torch.equal(opt.state[p][k], v), k
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_tier_missing_falls_back_to_host_and_counts():
+    res = train("mlp-tiny", budget=None, steps=4, policy=lambda tr, hw, b: roundtrip_plan(tr, hw, tiers=("host",)),
+                check_parity=True)
+    assert res.parity and res.stats.tier_fallbacks == 0
+    # a hardware with an SSD tier, but no ssd_dir: the SSD moves go to host
+    res = train("mlp-tiny", budget=None, steps=4, policy=_roundtrip, check_parity=True,
+                hardware="a100-40g-pcie4-nvme")
+    assert res.parity and res.stats.tier_fallbacks > 0 and res.stats.moved_bytes["ssd"] == 0
+
+
+# -- API and CLI --------------------------------------------------------------------------
+
+
+def test_import_is_lazy_and_offload_is_an_attribute():
+    code = "import sys, tierflow; assert 'tierflow.runtime' not in sys.modules; f = tierflow.offload; print(f.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "offload"
+
+
+def test_cli_train_json(capsys, tmp_path):
+    from tierflow.cli import main
+
+    rc = main(["train", "--model", "mlp-tiny", "--batch", "8", "--budget", "60%", "--steps", "5",
+               "--policy", "myelin", "--ssd-dir", str(tmp_path), "--check-parity", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    for key in ("steps", "step_time_s", "peak_device_bytes", "budget_bytes", "moved_bytes",
+                "predicted_step_time_s", "parity"):
+        assert key in data
+    assert data["steps"] == 5 and data["parity"] is True
+    assert data["peak_device_bytes"] <= data["budget_bytes"]
+    assert set(data["moved_bytes"]) >= {"host", "ssd"}
+
+
+def test_cli_train_budget_too_small_is_one_line_error(capsys):
+    from tierflow.cli import main
+
+    rc = main(["train", "--model", "mlp-tiny", "--budget", "1KiB", "--steps", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "minimum working set" in err and "Traceback" not in err
+
+
+def test_demo_run_prints_pipeline(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from tierflow.runtime import demo_run
+
+    buf = StringIO()
+    res = demo_run("mlp-tiny", steps=4, ssd_dir=str(tmp_path), console=Console(file=buf, width=160))
+    text = buf.getvalue()
+    assert res.parity is True
+    assert "predicted" in text and "parity" in text
+    assert Path(tmp_path).exists() and list(Path(tmp_path).iterdir()) == []
