@@ -29,11 +29,11 @@ The result is a planned (non-reactive) plan, checked by :func:`tierflow.plan.val
 and a pure function of (trace, hardware, options): no randomness, ties broken by ids.
 
 Options:
-    time_limit (float): seconds for the whole closed loop (default 8).
+    line_rounds (int): closed-loop re-planning rounds (default 4).
     min_bytes (int): smallest gap worth moving (default 1 MiB).
     ssd_slack (float): a gap this many times a slow tier's round trip goes there first
         (default 4).
-    repair_rounds (int): at most this many repair iterations (default 12).
+    repair_rounds (int): at most this many prefetch-repair rounds (default 4).
 """
 
 from __future__ import annotations
@@ -153,14 +153,20 @@ def _gaps(trace: Trace, min_bytes: int) -> list[_Gap]:
     return out
 
 
-def _build(trace: Trace, hw: Hardware, budget: float, knobs: Knobs, opts: dict) -> list[Move]:
-    """One greedy pass (steps 1-3 of the module docstring)."""
+def _build(
+    trace: Trace, hw: Hardware, budget: float, knobs: Knobs, opts: dict, drop: np.ndarray | None = None
+) -> list[Move]:
+    """One greedy pass (steps 1-3 of the module docstring). ``drop`` lowers the line per
+    op (bytes), where the closed loop found the simulated step stalling."""
     n = trace.n_ops
     if n == 0:
         return []
     dev = hw.device
-    line = budget * (1.0 - knobs.margin)
     live = trace.live_bytes.astype(np.float64)
+    line = np.full(n, budget * (1.0 - knobs.margin))
+    if drop is not None:
+        # never below what the op itself needs: that much cannot leave
+        line = np.maximum(line - drop, np.minimum(line, trace.working_set_bytes.astype(np.float64)))
     gaps = _gaps(trace, int(opts.get("min_bytes", 2**20)))
     if not gaps or not (live > line).any():
         return []
@@ -188,7 +194,7 @@ def _build(trace: Trace, hw: Hardware, budget: float, knobs: Knobs, opts: dict) 
         np.add.at(arr, idx, amount)
 
     for k in range(n):
-        over = live[k] - off[k] - line
+        over = live[k] - off[k] - line[k]
         if over <= 0:
             continue
         # gaps covering op k (in this iteration, or wrapping from the previous one)
@@ -233,7 +239,7 @@ def _build(trace: Trace, hw: Hardware, budget: float, knobs: Knobs, opts: dict) 
                 window[i] = [q + 1, p, len(moves) + 1, T, e]
                 moves.append(Move("evict", g.tensor, e % n, T))
                 moves.append(Move("prefetch", g.tensor, p % n, T, g.b % n))
-                over = live[k] - off[k] - line
+                over = live[k] - off[k] - line[k]
                 break
         if over > 0 and _DEBUG.get("trace"):
             print("fallback at", k, "over MiB", over / 2**20, "cands", len(cand), "live GiB", live[k] / 2**30)
@@ -275,7 +281,7 @@ def _build(trace: Trace, hw: Hardware, budget: float, knobs: Knobs, opts: dict) 
                     window[i] = [g.a + 1, p, len(moves) + 1, T, g.a]
                     moves.append(Move("evict", g.tensor, g.a, T))
                     moves.append(Move("prefetch", g.tensor, p % n, T, g.b % n))
-                    over = live[k] - off[k] - line
+                    over = live[k] - off[k] - line[k]
                     break
         if over > 0:
             # Gaps already taken whose planned absence misses op k (their prefetch was
@@ -293,17 +299,24 @@ def _build(trace: Trace, hw: Hardware, budget: float, knobs: Knobs, opts: dict) 
                 if lo <= kk <= hi:
                     continue
                 if hi < kk:
-                    dest = _room_for(tier_used, tier_cap, tiers, T, e + 1, hi, kk, g.size, n)
+                    # hold it off until just in time for its next use (by the ideal
+                    # clock), so that the ops after k need not extend it again
+                    back = starts[g.b] - g.size / (fast[T] * knobs.efficiency)
+                    p = max(kk, min(g.b - 1, int(np.searchsorted(starts, back, side="right")) - 2))
+                    dest = _room_for(tier_used, tier_cap, tiers, T, e + 1, hi, p, g.size, n)
+                    if dest is None and p > kk:
+                        p = kk
+                        dest = _room_for(tier_used, tier_cap, tiers, T, e + 1, hi, p, g.size, n)
                     if dest is None:
                         continue
-                    cover(hi + 1, kk, off, g.size)
-                    window[i][1], window[i][3] = kk, dest
+                    cover(hi + 1, p, off, g.size)
+                    window[i][1], window[i][3] = p, dest
                     moves[mi - 1] = Move("evict", g.tensor, e % n, dest)
-                    moves[mi] = Move("prefetch", g.tensor, kk % n, dest, g.b % n)
+                    moves[mi] = Move("prefetch", g.tensor, p % n, dest, g.b % n)
                 elif e < kk:  # eviction issued before k but finishing after: count it off from its issue, as planned
                     cover(e + 1, lo - 1, off, g.size)
                     window[i][0] = e + 1
-                over = live[k] - off[k] - line
+                over = live[k] - off[k] - line[k]
     _DEBUG["off"] = off
     return moves
 
@@ -326,6 +339,22 @@ def _room_for(used, cap, tiers, T, lo, hi, new_hi, size, n):
             np.add.at(used[T2], full, size)
             return T2
     return None
+
+
+def _stall_drop(trace: Trace, hw: Hardware, budget: float, res) -> np.ndarray:
+    """Bytes to lower the line by, per op, from one simulation: before each stalled op,
+    over the ops of the preceding few stall-lengths, as many bytes as the link moves in
+    the stall (what was missing to have the op's tensors in time)."""
+    n = trace.n_ops
+    out = np.zeros(n)
+    starts = trace.op_start_s
+    bw = max(hw.route_bandwidth(t, hw.device) for t in hw.offload_tiers)
+    for k in np.flatnonzero(res.op_stall_s > 1e-9).tolist():
+        st = float(res.op_stall_s[k])
+        amount = min(st * bw, 0.05 * budget)
+        lo = int(np.searchsorted(starts[: k + 1], starts[k] - 4 * st - 1e-3))
+        out[lo : k + 1] = np.maximum(out[lo : k + 1], amount)
+    return out
 
 
 def _score(trace: Trace, hw: Hardware, plan: Plan):
@@ -398,33 +427,59 @@ def _in_gap(evict_op: int, pf_op: int, need: int, n: int) -> bool:
 
 @register("tierflow")
 def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
-    """Plan with ``tierflow`` (see the module docstring for the method and options)."""
+    """Plan with ``tierflow`` (see the module docstring for the method and options).
+
+    The loop runs a fixed number of rounds (no wall-clock cut-off), so the plan is a pure
+    function of (trace, hardware, options).
+
+    Example:
+        >>> from tierflow import load_hardware
+        >>> from tierflow.policies import make_plan
+        >>> from tierflow.synthetic import gpt_trace
+        >>> hw = load_hardware("rtx4090-24g")
+        >>> tr = gpt_trace(hw, layers=4, d_model=1024, batch=8, seq=512)
+        >>> plan = make_plan("tierflow", tr, hw, budget=int(tr.peak_live_bytes * 0.6))
+        >>> plan.reactive
+        False
+    """
     from ..plan import validate
 
     t0 = time.perf_counter()
     opts = dict(options.extra or {})
-    limit = float(opts.get("time_limit", 8.0))
     budget = options.budget_bytes
-    grid = [Knobs(e, mg, ld) for e, mg, ld in ((0.9, 0.0, 0), (0.8, 0.02, 0), (1.0, 0.0, 0), (0.7, 0.05, 1))]
-    best: tuple[float, list[Move], Knobs] | None = None
-    tried = []
-    for kn in grid:
-        if best is not None and time.perf_counter() - t0 > limit * 0.6:
-            break
+    ideal = trace.ideal_s * (1 + 1e-9)
+    best = None
+    for kn in _GRID:
         moves = _build(trace, hardware, budget, kn, opts)
         plan = Plan("tierflow", moves, budget_bytes=budget)
         validate(plan, trace, hardware)
         score, res = _score(trace, hardware, plan)
-        tried.append((kn, score))
         if best is None or score < best[0]:
             best = (score, moves, kn, res)
-        if score <= trace.ideal_s * (1 + 1e-9):
+        if score <= ideal:
             break
     assert best is not None
     score, moves, kn, res = best
     rounds = 0
-    for _ in range(int(opts.get("repair_rounds", 12))):
-        if time.perf_counter() - t0 > limit or score <= trace.ideal_s * (1 + 1e-9):
+    # Closed loop 1: where the simulated step stalls, lower the line over the ops that
+    # lead up to the stall (more leaves earlier), re-plan, keep what is better.
+    drop = np.zeros(trace.n_ops)
+    fails = 0
+    for _ in range(int(opts.get("line_rounds", 4))):
+        if score <= ideal or fails >= 2:
+            break
+        trial = drop + _stall_drop(trace, hardware, budget, res)
+        new = _build(trace, hardware, budget, kn, opts, trial)
+        s2, r2 = _score(trace, hardware, Plan("tierflow", new, budget_bytes=budget))
+        rounds += 1
+        drop = trial
+        if s2 < score:
+            score, moves, res, fails = s2, new, r2, 0
+        else:
+            fails += 1
+    # Closed loop 2: issue late prefetches earlier by the lateness measured.
+    for _ in range(int(opts.get("repair_rounds", 4))):
+        if score <= ideal:
             break
         new = _repair(trace, hardware, budget, moves, res)
         if new == moves:
@@ -441,7 +496,12 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         meta={
             "planning_s": time.perf_counter() - t0,
             "knobs": {"efficiency": kn.efficiency, "margin": kn.margin, "lead": kn.lead},
-            "repair_rounds": rounds,
+            "rounds": rounds,
             "predicted_step_s": score,
         },
     )
+
+
+# The knob settings every plan tries (see :class:`Knobs`): packing at 70-100% of each
+# resource's bandwidth, with 0-5% of the budget kept free.
+_GRID = (Knobs(0.9, 0.0, 0), Knobs(0.8, 0.02, 0), Knobs(1.0, 0.0, 0), Knobs(0.7, 0.05, 1))
