@@ -103,7 +103,10 @@ class _Timeline:
         self.route_idx = {k: [self.index[r] for r in v] for k, v in self.routes.items()}
 
     def _avail(self, key: tuple[str, str], idx: np.ndarray) -> np.ndarray:
-        return self.rem[self.route_idx[key]][:, idx].min(axis=0)
+        rows = self.route_idx[key]
+        if len(rows) == 1:
+            return self.rem[rows[0], idx]
+        return self.rem[np.ix_(rows, idx)].min(axis=0)
 
     def forward(self, key, start: int, stop: int, nbytes: float):
         """Pack ``nbytes`` into slots start..stop-1 (unrolled) as early as possible.
@@ -360,7 +363,9 @@ def _stall_drop(trace: Trace, hw: Hardware, budget: float, res) -> np.ndarray:
 def _score(trace: Trace, hw: Hardware, plan: Plan):
     from ..simulate import simulate
 
-    res = simulate(trace, hw, plan)
+    # every plan the loop scores comes from _build, consistent by construction; the
+    # chosen one is validated before it is returned
+    res = simulate(trace, hw, plan, check_plan=False)
     return (res.time_s if res.fits or not res.error else math.inf), res
 
 
@@ -452,7 +457,6 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     for kn in _GRID:
         moves = _build(trace, hardware, budget, kn, opts)
         plan = Plan("tierflow", moves, budget_bytes=budget)
-        validate(plan, trace, hardware)
         score, res = _score(trace, hardware, plan)
         if best is None or score < best[0]:
             best = (score, moves, kn, res)
@@ -489,7 +493,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         if s2 >= score:
             break
         score, moves, res = s2, new, r2
-    return Plan(
+    final = Plan(
         "tierflow",
         tuple(moves),
         budget_bytes=budget,
@@ -500,6 +504,8 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             "predicted_step_s": score,
         },
     )
+    validate(final, trace, hardware)  # a PlanError here is a bug in this module
+    return final
 
 
 # The knob settings every plan tries (see :class:`Knobs`): packing at 70-100% of each
