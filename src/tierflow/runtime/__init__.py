@@ -7,20 +7,32 @@ context manager; the user's loop runs inside it unchanged. See
 :func:`demo_run` / ``tierflow train`` for a whole pipeline on a zoo model.
 """
 
-from .errors import BudgetError, OffloadError, SSDError
-from .executor import Run, RunStats, offload
-from .plans import roundtrip_plan
-from .train import TrainResult, demo_run, train
+from __future__ import annotations
 
-__all__ = [
-    "BudgetError",
-    "OffloadError",
-    "Run",
-    "RunStats",
-    "SSDError",
-    "TrainResult",
-    "demo_run",
-    "offload",
-    "roundtrip_plan",
-    "train",
-]
+import importlib
+from typing import Any
+
+# The executor imports torch; load it on first use so that the CLI (which registers the
+# ``train`` command on every start) and ``import tierflow`` stay fast.
+_LAZY = {
+    "BudgetError": ".errors",
+    "OffloadError": ".errors",
+    "SSDError": ".errors",
+    "Run": ".executor",
+    "RunStats": ".executor",
+    "offload": ".executor",
+    "roundtrip_plan": ".plans",
+    "TrainResult": ".train",
+    "demo_run": ".train",
+    "train": ".train",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
