@@ -38,6 +38,7 @@ def solve(
     time_limit: float = 10.0,
     progress: Callable[[float, int], None] | None = None,
     seed: int = 0,
+    node_limit: int | None = None,
 ) -> Solution:
     """Offsets for every buffer of ``problem``.
 
@@ -47,6 +48,8 @@ def solve(
         time_limit: seconds ``best`` and ``exact`` may use (greedy ignores it).
         progress: for ``best``, called with (fraction of the time used, best peak so far).
         seed: for ``best``, the seed of its randomised restarts.
+        node_limit: for ``best``, placements its search may try in all; with it and a
+            time limit that does not bind, the result is deterministic.
 
     Raises:
         PoolError: an unknown solver, or ``exact`` on a problem too large for it.
@@ -58,7 +61,7 @@ def solve(
     if solver == "best":
         from .best import solve_best
 
-        return solve_best(problem, time_limit=time_limit, progress=progress, seed=seed)
+        return solve_best(problem, time_limit=time_limit, progress=progress, seed=seed, node_limit=node_limit)
     if solver == "exact":
         from .exact import solve_exact
 

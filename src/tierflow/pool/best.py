@@ -3,14 +3,20 @@
 1. Fast heuristics give an incumbent: greedy by size (best fit) and the canonical
    lowest-floor-first placement under several static preorders.
 2. If the incumbent is above the lower bound, the canonical branch and bound of
-   :mod:`.search` decides capacities, starting at the bound itself (where section
-   inference is sharpest and most hard cases are solved), then bisecting between the
-   bound and the incumbent. Each capacity gets a share of the remaining time, spent on
-   restarts with small node limits under randomly perturbed preorders: a restart escapes
-   the subtree that a bad early choice condemned, which chronological backtracking
-   alone cannot within seconds.
-3. The best placement found by the time limit is returned; it is exact (``optimal``)
-   when it meets the bound.
+   :mod:`.search` decides capacities, in rounds whose node budget doubles (MiniMalloc's
+   round robin): each round tries the lower bound under every preorder, then bisects
+   between the bound and the incumbent at the same budget. A capacity the search
+   cannot settle in one round is tried again with twice the budget in the next, so
+   a problem whose optimum lies above the bound spends most of its time improving the
+   incumbent, not at the bound, and one that meets the bound still meets it early.
+3. The best placement found is returned; it is exact (``optimal``) when it meets the
+   bound.
+
+Capacities and sizes are divided by the greatest common divisor of the sizes (in
+alignment units): every canonical offset is a sum of sizes, so nothing finer matters.
+
+Everything the search decides depends on node counts, never on the clock: with a
+``node_limit`` and no binding ``time_limit`` the result is the same on every run.
 """
 
 from __future__ import annotations
@@ -27,9 +33,22 @@ from .problem import Problem, Solution, lower_bound, peak_of
 
 Progress = Callable[[float, int], None]  # (fraction of the time limit used, best peak in bytes)
 
+# preorders of the search (MiniMalloc's defaults): keys most significant first
+HEURISTICS = ("WAT", "TAW", "TWA")
+# a probe at the lower bound gets this many times the budget of a bisection probe
+LB_WEIGHT = 2
+# placements between two looks at the clock
+STEP = 1 << 13
 
-def solve_best(problem: Problem, time_limit: float = 10.0, progress: Progress | None = None, seed: int = 0) -> Solution:
-    """Near-optimal offsets within ``time_limit`` seconds.
+
+def solve_best(
+    problem: Problem,
+    time_limit: float = 10.0,
+    progress: Progress | None = None,
+    seed: int = 0,
+    node_limit: int | None = None,
+) -> Solution:
+    """Near-optimal offsets within ``time_limit`` seconds or ``node_limit`` nodes.
 
     Args:
         problem: the buffers.
@@ -37,113 +56,124 @@ def solve_best(problem: Problem, time_limit: float = 10.0, progress: Progress | 
             tiny limit still returns greedy's answer or better).
         progress: called now and then with the fraction of the budget used and the best
             peak so far.
-        seed: seed of the restarts' random preorders (the result is deterministic for a
-            seed, up to where the time limit cuts the search).
+        seed: seed of the randomised preorders tried after the static ones.
+        node_limit: placements the search may try in all; with it (and a time limit
+            that does not bind) the result is deterministic.
     """
     t0 = time.perf_counter()
     deadline = t0 + max(0.0, time_limit)
+    budget = math.inf if node_limit is None else max(0, int(node_limit))
     # empty buffers occupy no byte: they sit at offset 0 and stay out of the search
     # (their zero height would defeat its dominance rule)
     keep = np.flatnonzero(problem.units > 0)
-    lower, upper, units = problem.lower[keep], problem.upper[keep], problem.units[keep]
+    lower, upper, units_a = problem.lower[keep], problem.upper[keep], problem.units[keep]
     n = len(keep)
-    lb_units = lower_bound(problem, units=True)
-    meta: dict = {"heuristics": {}, "attempts": []}
-    report = progress or (lambda frac, peak: None)
-
-    def cost(off_units: np.ndarray) -> int:
-        return int((off_units + units).max()) if n else 0
-
     # 1. heuristics: greedy first, so best is never worse than it
     greedy_all = best_fit(problem.lower, problem.upper, problem.units, size_order(problem))
-    best_off = greedy_all[keep]
+    # greedy's offsets are sums of sizes as well; should one not be, work in units
+    gcd = int(np.gcd.reduce(np.concatenate([units_a, greedy_all[keep]]))) if n else 1
+    units = units_a // gcd
+    lb = lower_bound(problem, units=True) // gcd
+    meta: dict = {"heuristics": {}, "attempts": [], "gcd": gcd}
+    report = progress or (lambda frac, peak: None)
+
+    def cost(off: np.ndarray) -> int:
+        return int((off + units).max()) if n else 0
+
+    best_off = greedy_all[keep] // gcd
     best_cost = cost(best_off)
     best_from = "greedy"
     meta["heuristics"]["greedy"] = best_cost
     sec = search.Sections(lower, upper, units)
     orders = search.preorders(lower, upper, units, sec) if n else {}
-    last = time.perf_counter() - t0  # a lowest-first pass costs about what greedy did
-    for name in ("A", "TWA", "S", "LS"):
-        if best_cost <= lb_units or time.perf_counter() + last > deadline or not n:
+    area = units * (upper - lower)
+    for name in ("A", "TWA", "S", "WAT"):
+        if best_cost <= lb or not n:
             break
-        t1 = time.perf_counter()
-        off = search.lowest_first(lower, upper, units, orders[name])
-        last = time.perf_counter() - t1
+        off = search.lowest_first(units, orders[name], sec)
         c = cost(off)
         meta["heuristics"][f"lowest-first/{name}"] = c
         if c < best_cost:
             best_off, best_cost, best_from = off, c, f"lowest-first/{name}"
-        report(_frac(t0, time_limit), best_cost * problem.alignment)
+        report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
 
-    # 2. capacity search
-    members = sec.members(n) if 0 < n <= search.STRONG_LIMIT else None
+    # 2. capacity search in rounds of doubling node budgets
     rng = np.random.default_rng(seed)
-    keys = (sec.buffer_total, sec.s1 - sec.s0, units * (upper - lower))
-    statics = [orders[k] for k in ("TWA", "WAT", "TAW")] if n else []
+    keys = {"T": sec.buffer_total, "W": sec.s1 - sec.s0, "A": area}
     nodes = 0
-    lo, hi = lb_units, best_cost - 1
-    first = True
-    while lo <= hi and time.perf_counter() < deadline:
-        remaining = deadline - time.perf_counter()
-        if first:
-            cap, budget = lo, remaining * 0.5
-        else:
-            # bisect, leaning low: finding a capacity near the bound pays the most
-            cap = lo + (hi - lo) // 3
-            steps = max(1, math.ceil(math.log2(max(2, (hi - lo) / max(1, lb_units // 500)))))
-            budget = remaining / steps
-        found, tries, spent = _attempt(
-            lower, upper, units, cap, sec, members, statics, keys, rng, time.perf_counter() + budget, deadline
-        )
-        nodes += spent
-        meta["attempts"].append({"capacity": cap * problem.alignment, "found": found is not None, "restarts": tries})
-        if found is not None:
-            c = cost(found)
-            if c < best_cost:
-                best_off, best_cost, best_from = found, c, "search"
-            hi = min(hi, c - 1)
-        else:
-            lo = cap + 1  # not proven infeasible, but presumed so for the rest of the budget
-        first = False
-        report(_frac(t0, time_limit), best_cost * problem.alignment)
+    limit = max(64, 2 * n)
+    rounds = 0
+
+    def probe(cap: int, per_order: int) -> tuple[np.ndarray | None, bool]:
+        """Try ``cap`` under each preorder (static, then one randomised) with
+        ``per_order`` nodes each; returns (offsets or None, proven infeasible)."""
+        nonlocal nodes
+        for k, h in enumerate((*HEURISTICS, "random")):
+            if h == "random":
+                h = HEURISTICS[rounds % len(HEURISTICS)]
+                order = _noisy_order(keys, h, rng, n)
+            else:
+                order = orders[h]
+            s = search.Search(units, cap, order, sec, area, h)
+            while s.result is None and s.nodes < per_order and nodes < budget and time.perf_counter() < deadline:
+                step = int(min(STEP, per_order - s.nodes, budget - nodes))
+                before = s.nodes
+                s.advance(step)
+                nodes += s.nodes - before
+            meta["attempts"].append({"capacity": cap * gcd * problem.alignment, "order": h if k < 3 else "random",
+                                     "nodes": s.nodes, "result": s.result})
+            if s.result:
+                return s.offsets.copy(), False
+            if s.result is False:
+                return None, True
+            if nodes >= budget or time.perf_counter() >= deadline:
+                break
+        return None, False
+
+    floor_cap = lb  # proven: nothing below it is feasible
+    while best_cost > floor_cap and nodes < budget and time.perf_counter() < deadline:
+        off, proven = probe(floor_cap, LB_WEIGHT * limit)
+        if off is not None:
+            best_off, best_cost, best_from = off, cost(off), "search"
+            break
+        if proven:
+            floor_cap += 1
+            continue
+        lo, hi = floor_cap + 1, best_cost - 1
+        while lo <= hi and nodes < budget and time.perf_counter() < deadline:
+            cap = (lo + hi) // 2
+            off, proven = probe(cap, limit)
+            if off is not None:
+                best_off, best_cost, best_from = off, cost(off), "search"
+                hi = best_cost - 1
+            else:
+                if proven:
+                    floor_cap = max(floor_cap, cap + 1)
+                lo = cap + 1
+            report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
+        limit *= 2
+        rounds += 1
 
     offsets = np.zeros(len(problem), dtype=np.int64)
-    offsets[keep] = best_off * problem.alignment
+    offsets[keep] = best_off * gcd * problem.alignment
     peak = peak_of(problem, offsets)
-    meta.update(nodes=nodes, found_by=best_from)
+    meta.update(nodes=nodes, rounds=rounds, found_by=best_from, proven_floor=floor_cap * gcd * problem.alignment)
     return Solution(
         offsets=offsets,
         peak=peak,
         lower_bound=problem.lower_bound,
         solver="best",
         seconds=time.perf_counter() - t0,
-        optimal=peak == problem.lower_bound or (best_cost <= lb_units and problem.alignment == 1),
+        optimal=peak == problem.lower_bound or (best_cost <= floor_cap and problem.alignment == 1),
         meta=meta,
     )
 
 
-def _attempt(lower, upper, units, cap, sec, members, statics, keys, rng, until, deadline):
-    """Restarts of the canonical search at one capacity until one finds a placement or
-    ``until`` passes. Returns (offsets or None, restarts, nodes)."""
-    n = len(lower)
-    limit = 4 * n
-    tries = nodes = 0
-    while time.perf_counter() < min(until, deadline):
-        if tries < len(statics):
-            order = statics[tries]
-        else:
-            # perturb each key by up to 30% and shuffle their priority
-            noisy = [k * rng.uniform(0.7, 1.3, size=n) for k in keys]
-            prio = rng.permutation(len(noisy))
-            order = np.lexsort(tuple(-noisy[i] for i in prio[::-1]))
-        out = search.feasible(lower, upper, units, cap, order, sec, members, min(until, deadline), limit)
-        tries += 1
-        nodes += out.nodes
-        if out.offsets is not None:
-            return out.offsets, tries, nodes
-        if out.exhausted:
-            break  # the canonical space holds no placement under this capacity
-    return None, tries, nodes
+def _noisy_order(keys: dict[str, np.ndarray], h: str, rng: np.random.Generator, n: int) -> np.ndarray:
+    """The preorder ``h`` with each key perturbed by up to 30%: a restart under it
+    explores other early choices than the static orders."""
+    cols = [-(keys[c] * rng.uniform(0.7, 1.3, size=n)) for c in h]
+    return np.lexsort((np.arange(n), *cols[::-1]))
 
 
 def _frac(t0: float, limit: float) -> float:
