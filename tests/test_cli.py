@@ -58,12 +58,17 @@ def test_hardware_list_and_show(capsys):
 
 
 def test_demo_runs_and_explains(capsys):
-    assert main(["demo"]) == 0
+    # the synthetic trace and two policies keep this quick; make demo runs the full set
+    assert main(["demo", "--synthetic", "--policies", "ideal,deepum", "--no-train"]) == 0
     out = capsys.readouterr().out
     assert "does not fit" in out and "Best here" in out
 
 
-def test_demo_json(capsys):
-    assert main(["demo", "--json"]) == 0
+def test_demo_json_covers_capture_plan_and_training(capsys):
+    argv = ["demo", "--model", "mlp-tiny", "--batch", "64", "--hardware", "g10-a100",
+            "--policies", "ideal,lru", "--train-model", "mlp-tiny", "--steps", "2", "--json"]
+    assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert {r["policy"] for r in out} >= {"ideal", "lru", "deepum"}
+    assert [r["policy"] for r in out["results"]] == ["ideal", "lru"]
+    assert out["trace"]["ops"] > 0
+    assert out["train"]["parity"] is True

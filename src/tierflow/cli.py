@@ -100,8 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     hs.add_argument("name")
     hs.set_defaults(func=cmd_hardware_show)
 
-    p = sub.add_parser("demo", help="the main job on a built-in workload")
+    p = sub.add_parser(
+        "demo", help="the whole pipeline on a built-in model: capture, plan, simulate, train",
+        description="Capture a zoo model on the meta device, plan every policy for a GPU it does not "
+        "fit on, simulate and compare them; then train a tiny model a few steps on the CPU with "
+        "moves to host and SSD, and check it against plain PyTorch.",
+    )
+    p.add_argument("--model", default="gpt2-large", help="zoo model to plan for (default: gpt2-large)")
+    p.add_argument("--batch", type=int, default=8, help="its batch size (default: 8)")
     p.add_argument("--hardware", default="rtx4090-24g", help="hardware preset (default: rtx4090-24g)")
+    p.add_argument("--policies", default=None, help="comma-separated policies (default: all)")
+    p.add_argument("--train-model", default="gpt-tiny", help="zoo model the CPU training part runs (default: gpt-tiny)")
+    p.add_argument("--steps", type=int, default=6, help="training steps on the CPU (default: 6)")
+    p.add_argument("--no-train", action="store_true", help="stop after the simulation")
+    p.add_argument("--synthetic", action="store_true", help="plan for the built-in synthetic GPT trace instead of capturing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_demo)
 
@@ -255,27 +267,60 @@ def cmd_hardware_show(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .hardware import load_hardware
-    from .synthetic import gpt_trace
 
     hw = load_hardware(args.hardware)
-    trace = gpt_trace(hw, layers=32, d_model=2048, batch=16, seq=1024)
-    names = _policy_list(None)
     con = u.console()
-    if not args.json:
+    quiet = args.json
+    if args.synthetic:
+        from .synthetic import gpt_trace
+
+        trace = gpt_trace(hw, layers=32, d_model=2048, batch=16, seq=1024)
+        what = f"{trace.name} (the built-in synthetic GPT-style trace)"
+    else:
+        from .capture import zoo_trace
+
+        with con.status(f"capturing {args.model} (batch {args.batch}) on the meta device...") if not quiet else _null():
+            trace = zoo_trace(args.model, batch=args.batch, hardware=hw)
+        what = f"{args.model} at batch {args.batch}, captured on the meta device (nothing allocated)"
+    names = _policy_list(args.policies)
+    if not quiet:
         con.print(
-            f"[bold]tierflow demo[/]: one training step of {trace.name} (a GPT-style decoder, "
-            f"{trace.n_ops} ops, {trace.n_tensors} tensors) on {hw.name}.\n"
-            f"Unconstrained it needs {fmt_bytes(trace.peak_live_bytes)} at its peak "
+            f"[bold]1. capture[/]: one training step of {what}: {trace.n_ops} ops, "
+            f"{trace.n_tensors} tensors, ideal step {fmt_seconds(trace.ideal_s)} on {hw.name}.\n"
+            f"   Unconstrained it peaks at {fmt_bytes(trace.peak_live_bytes)} "
             f"(op {trace.peak_op}, {trace.ops[trace.peak_op].name}); the device has "
-            f"{fmt_bytes(hw.device_capacity)}. Planning every policy under that budget and simulating...\n"
+            f"{fmt_bytes(hw.device_capacity)}.\n"
+            f"[bold]2. plan and simulate[/]: every policy under the device's capacity."
         )
-    results = _run_policies(trace, hw, names, None, not args.json)
-    if args.json:
-        u.print_json([r.to_dict() for r in results])
-        return 0
-    _print_results(trace, hw, results)
-    con.print(_verdict(trace, hw, results))
+    results = _run_policies(trace, hw, names, None, not quiet)
+    if not quiet:
+        _print_results(trace, hw, results)
+        con.print(_verdict(trace, hw, results))
+    run = None
+    if not args.no_train:
+        from .runtime import demo_run
+
+        if not quiet:
+            con.print(
+                f"[bold]3. train[/]: {args.train_model} for {args.steps} steps on this CPU at half its "
+                "unconstrained peak, moving tensors to host memory and an SSD file, checked against plain PyTorch."
+            )
+        run = demo_run(model=args.train_model, steps=args.steps, console=None if quiet else con)
+    if quiet:
+        u.print_json({
+            "trace": trace.summary(),
+            "results": [r.to_dict() for r in results],
+            "train": run.to_dict() if run is not None else None,
+        })
     return 0
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 # -- presentation ---------------------------------------------------------------------------
