@@ -10,8 +10,8 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
 2. **Which gaps.** Ops are swept in order; while an op is over the line, the gap covering
    it whose tensor is needed furthest in the future (Belady's choice: it relieves memory
    for longest per byte moved) and whose transfers fit the bandwidth timeline is taken.
-   Gaps smaller than ``min_bytes`` are skipped (their transfers cost more latency than
-   they free).
+   Gaps smaller than ``min_bytes`` come last (their transfers cost more latency than
+   they free), and gaps of empty tensors are never moved.
 3. **When and where.** Each route (device to host, to SSD, ...) reserves bytes per op
    slot on every resource it crosses (links, shared buses, tier bandwidth), as the
    simulator shares them; an eviction is packed as early as possible after the last use,
@@ -30,7 +30,8 @@ and a pure function of (trace, hardware, options): no randomness, ties broken by
 
 Options:
     line_rounds (int): closed-loop re-planning rounds (default 4).
-    min_bytes (int): smallest gap worth moving (default 1 MiB).
+    min_bytes (int): gaps below this size are moved only when nothing larger can make
+        room (default 1 MiB).
     ssd_slack (float): a gap this many times a slow tier's round trip goes there first
         (default 4).
     repair_rounds (int): at most this many prefetch-repair rounds (default 4).
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import PlanError
 from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Trace
@@ -65,6 +67,7 @@ class Knobs:
     efficiency: float = 0.9
     margin: float = 0.0
     lead: int = 0
+    safe: bool = False  # plan by the validator's accounting only (no bandwidth packing)
 
 
 @dataclass
@@ -145,12 +148,12 @@ class _Timeline:
             np.subtract.at(self.rem[r], idx, takes)
 
 
-def _gaps(trace: Trace, min_bytes: int) -> list[_Gap]:
+def _gaps(trace: Trace) -> list[_Gap]:
     n = trace.n_ops
     out = []
     for g in trace.gaps:
         size = int(trace.sizes[g.tensor])
-        if size < min_bytes:
+        if size <= 0:
             continue
         out.append(_Gap(g.tensor, g.after_op, g.before_op + (n if g.wraps else 0), size))
     return out
@@ -170,7 +173,8 @@ def _build(
     if drop is not None:
         # never below what the op itself needs: that much cannot leave
         line = np.maximum(line - drop, np.minimum(line, trace.working_set_bytes.astype(np.float64)))
-    gaps = _gaps(trace, int(opts.get("min_bytes", 2**20)))
+    gaps = _gaps(trace)
+    small_bytes = int(opts.get("min_bytes", 2**20))
     if not gaps or not (live > line).any():
         return []
     tl = _Timeline(trace, hw, knobs.efficiency)
@@ -205,7 +209,7 @@ def _build(
         ku = np.where(Bu[cand] > k + n, k + n, k)  # k unrolled into each gap's frame
         ku = np.where((A[cand] < k) & (Bu[cand] > k), k, ku)
         # Belady: furthest next use first; ties by larger size, then id
-        order = np.lexsort((cand, -size[cand], -(Bu[cand] - ku)))
+        order = np.lexsort((cand, -size[cand], -(Bu[cand] - ku), size[cand] < small_bytes))
         for j in order:
             if over <= 0:
                 break
@@ -218,7 +222,7 @@ def _build(
                 slow = [T for T in tiers if fast[T] < fastest]
                 if any(length >= slack * 2 * g.size / fast[T] for T in slow):
                     tier_order = sorted(tiers, key=lambda T: fast[T])
-            for T in tier_order:
+            for T in tier_order if not knobs.safe else ():
                 ev = tl.forward((dev, T), g.a + 1, kk, g.size)
                 if ev is None:
                     continue
@@ -316,7 +320,18 @@ def _build(
                     window[i][1], window[i][3] = p, dest
                     moves[mi - 1] = Move("evict", g.tensor, e % n, dest)
                     moves[mi] = Move("prefetch", g.tensor, p % n, dest, g.b % n)
-                elif e < kk:  # eviction issued before k but finishing after: count it off from its issue, as planned
+                else:
+                    # its eviction finishes after k (or was issued at k or later, behind
+                    # others): issue it right after the last use, and count it off from
+                    # there, as the validator does
+                    if e >= kk:
+                        ext = np.arange(g.a + 1, e + 1) % n
+                        if tier_cap[T] != math.inf and (tier_used[T][ext] + g.size > tier_cap[T]).any():
+                            continue
+                        np.add.at(tier_used[T], ext, g.size)
+                        e = g.a
+                        window[i][4] = e
+                        moves[mi - 1] = Move("evict", g.tensor, e % n, T)
                     cover(e + 1, lo - 1, off, g.size)
                     window[i][0] = e + 1
                 over = live[k] - off[k] - line[k]
@@ -504,7 +519,15 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             "predicted_step_s": score,
         },
     )
-    validate(final, trace, hardware)  # a PlanError here is a bug in this module
+    try:
+        validate(final, trace, hardware)
+    except PlanError:
+        # The packer's bookkeeping missed a corner (tiny tiers, zero-length ops): fall
+        # back to a plan made by the validator's accounting alone, which always fits
+        # when the tiers can hold the bytes.
+        moves = _build(trace, hardware, budget, Knobs(safe=True), opts)
+        final = Plan("tierflow", tuple(moves), budget_bytes=budget, meta={**final.meta, "fallback": True})
+        validate(final, trace, hardware)
     return final
 
 
