@@ -43,8 +43,8 @@ CTL_SIZE = 13
 # actions
 _ENTER, _NEXT, _RETURN = 0, 1, 2
 # frame fields
-F_KIND, F_RA, F_RZ, F_CUR, F_RANK, F_P0, F_PN, F_S0, F_C0, F_CN, F_J, F_PLACED = range(12)
-FRAME_SIZE = 12
+F_KIND, F_RA, F_RZ, F_CUR, F_RANK, F_P0, F_PN, F_S0, F_C0, F_CN, F_J, F_PLACED, F_HATLESS = range(13)
+FRAME_SIZE = 13
 
 
 @jit
@@ -186,12 +186,27 @@ def run(s0, s1, sz, wide, area, keys3, cap, strong_limit,
             most = 0
             if width <= strong_limit:
                 base = np.full(rz - ra, _INF, np.int64)
-                for k in range(ptop, ptop + cnt):
-                    b = pbuf[k]
-                    m = minoff[b]
-                    for s in range(s0[b], s1[b]):
-                        if m < base[s - ra]:
-                            base[s - ra] = m
+                if width <= 12 * (cnt + rz - ra):
+                    for k in range(ptop, ptop + cnt):
+                        b = pbuf[k]
+                        m = minoff[b]
+                        for s in range(s0[b], s1[b]):
+                            if m < base[s - ra]:
+                                base[s - ra] = m
+                else:
+                    # long lifetimes: paint sections lowest floor first, each section
+                    # once (a union-find skips painted runs): O(p log p + sections)
+                    vals = np.empty(cnt, np.int64)
+                    for k in range(cnt):
+                        vals[k] = minoff[pbuf[ptop + k]]
+                    nxt = np.arange(rz - ra + 1)
+                    for k in np.argsort(vals):
+                        b = pbuf[ptop + k]
+                        x = _find(nxt, s0[b] - ra)
+                        while x < s1[b] - ra:
+                            base[x] = vals[k]
+                            nxt[x] = x + 1
+                            x = _find(nxt, x + 1)
                 for s in range(ra, rz):
                     t = total[s]
                     if t > 0:
@@ -289,12 +304,15 @@ def run(s0, s1, sz, wide, area, keys3, cap, strong_limit,
                 if floor[s] < h:
                     floor[s] = h
             # the unplaced buffers alive with c all lie in this node's part
+            raised = 0
             for k in range(p0, p0 + pn):
                 b = pbuf[k]
                 if s0[b] >= s1[c]:
                     break
                 if s1[b] > s0[c] and minoff[b] < h and not placed[b]:
                     minoff[b] = h
+                    raised += 1
+            fr[d, F_HATLESS] = raised == 0
             ctl[C_A] = p0
             ctl[C_Z] = p0 + pn
             ctl[C_CUR] = o
@@ -310,6 +328,11 @@ def run(s0, s1, sz, wide, area, keys3, cap, strong_limit,
             if r == 1:
                 _pop(fr, d, ctl)  # keep the placement; the frames below succeed too
             else:
+                if fr[d, F_HATLESS]:
+                    # MiniMalloc's hatless pruning: the candidate just tried raised no
+                    # other floor, so it fits under any completion; the rest failed with
+                    # it, and would fail after any other first choice too
+                    fr[d, F_J] = fr[d, F_CN]
                 ctl[C_ACTION] = _NEXT
             continue
         if r == 1:
@@ -338,6 +361,20 @@ def run(s0, s1, sz, wide, area, keys3, cap, strong_limit,
         floor[ra:rz] = sbuf_f[st : st + rz - ra]
         _pop(fr, d, ctl)
         continue
+
+
+@jit
+def _find(nxt, x):
+    """Root of ``x`` in the union-find ``nxt`` (the next unpainted section), with path
+    compression."""
+    r = x
+    while nxt[r] != r:
+        r = nxt[r]
+    while nxt[x] != r:
+        y = nxt[x]
+        nxt[x] = r
+        x = y
+    return r
 
 
 @jit
@@ -396,4 +433,42 @@ def lowest_first(s0, s1, sz, rank, by_s0, first_at):
             b = by_s0[k]
             if s1[b] > s0[best] and not placed[b] and minoff[b] < h:
                 minoff[b] = h
+    return offsets
+
+
+@jit
+def best_fit(s0, s1, sz, order, by_s0, first_at):
+    """Greedy best fit: place buffers in ``order``, each into the tightest gap among the
+    placed buffers alive with it (lowest on ties), or on top of them. Returns offsets."""
+    n = len(sz)
+    offsets = np.zeros(n, np.int64)
+    placed = np.zeros(n, np.bool_)
+    lo_buf = np.empty(n, np.int64)
+    hi_buf = np.empty(n, np.int64)
+    for b in order:
+        m = 0
+        for k in range(first_at[s1[b]]):
+            o = by_s0[k]
+            if placed[o] and s1[o] > s0[b]:
+                lo_buf[m] = offsets[o]
+                hi_buf[m] = offsets[o] + sz[o]
+                m += 1
+        off = 0
+        if m:
+            srt = np.argsort(lo_buf[:m])
+            best_room = _INF
+            best_at = -1
+            top = 0
+            for i in range(m):
+                start = lo_buf[srt[i]]
+                room = start - top
+                if room >= sz[b] and room < best_room:
+                    best_room = room
+                    best_at = top
+                end = hi_buf[srt[i]]
+                if end > top:
+                    top = end
+            off = best_at if best_at >= 0 else top
+        offsets[b] = off
+        placed[b] = True
     return offsets
