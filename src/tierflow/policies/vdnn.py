@@ -48,8 +48,10 @@ def _conv_inputs(trace: Trace) -> set[int]:
 
 
 def _plan_config(trace: Trace, hardware: Hardware, budget: float, gaps: list, tier: str) -> Planner:
-    """Offload every gap in ``gaps``; prefetch one backward layer ahead."""
-    p = Planner(trace, hardware, budget)
+    """Offload every gap in ``gaps``; prefetch one backward layer ahead. Like vDNN, the
+    choice assumes pinned host memory can hold it (checked by ``fits``), so the plan
+    does not change with the host's size."""
+    p = Planner(trace, hardware, budget, assume_room=True)
     layers = sorted({g.before_op for g in gaps})
     bwd = phase_start(trace, "backward") or 0
     for g in gaps:
