@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}", file=sys.stderr)
     if args.warm:
         t0, c0 = time.perf_counter(), time.process_time()
-        tiny = pool.Problem((pool.Buffer("a", 0, 2, 4), pool.Buffer("b", 1, 3, 6), pool.Buffer("c", 2, 4, 3)))
+        # a puzzle greedy cannot solve, so best's search (and its compiled code) runs
+        tiny = pool.Problem((pool.Buffer("long", 0, 10, 4), pool.Buffer("l1", 0, 5, 6),
+                             pool.Buffer("r1", 5, 10, 3), pool.Buffer("r2", 5, 10, 3)))
         pool.solve(tiny, "best", time_limit=60, node_limit=100)
         print(f"warm-up (JIT or cache load): {time.perf_counter() - t0:.1f} s wall, "
               f"{time.process_time() - c0:.1f} s CPU", file=sys.stderr)

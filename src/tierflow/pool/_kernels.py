@@ -247,17 +247,23 @@ def run(s0, s1, sz, wide, area, keys3, cap, strong_limit,
                 ctl[C_R] = 0
                 ctl[C_ACTION] = _RETURN
                 continue
-            # sort by (floor, rank); a node has few candidates, so insertion sort
-            for k in range(1, nc):
-                kk = keys[k]
-                kb = cbuf[ctop + k]
-                i = k - 1
-                while i >= 0 and keys[i] > kk:
-                    keys[i + 1] = keys[i]
-                    cbuf[ctop + i + 1] = cbuf[ctop + i]
-                    i -= 1
-                keys[i + 1] = kk
-                cbuf[ctop + i + 1] = kb
+            # sort by (floor, rank): insertion sort for the usual few candidates
+            if nc <= 32:
+                for k in range(1, nc):
+                    kk = keys[k]
+                    kb = cbuf[ctop + k]
+                    i = k - 1
+                    while i >= 0 and keys[i] > kk:
+                        keys[i + 1] = keys[i]
+                        cbuf[ctop + i + 1] = cbuf[ctop + i]
+                        i -= 1
+                    keys[i + 1] = kk
+                    cbuf[ctop + i + 1] = kb
+            else:
+                srt = np.argsort(keys[:nc])
+                tmp = cbuf[ctop : ctop + nc].copy()
+                for k in range(nc):
+                    cbuf[ctop + k] = tmp[srt[k]]
             fr[d, F_KIND] = 0
             fr[d, F_CN] = nc
             ctl[C_DEPTH] = d + 1
@@ -435,40 +441,3 @@ def lowest_first(s0, s1, sz, rank, by_s0, first_at):
                 minoff[b] = h
     return offsets
 
-
-@jit
-def best_fit(s0, s1, sz, order, by_s0, first_at):
-    """Greedy best fit: place buffers in ``order``, each into the tightest gap among the
-    placed buffers alive with it (lowest on ties), or on top of them. Returns offsets."""
-    n = len(sz)
-    offsets = np.zeros(n, np.int64)
-    placed = np.zeros(n, np.bool_)
-    lo_buf = np.empty(n, np.int64)
-    hi_buf = np.empty(n, np.int64)
-    for b in order:
-        m = 0
-        for k in range(first_at[s1[b]]):
-            o = by_s0[k]
-            if placed[o] and s1[o] > s0[b]:
-                lo_buf[m] = offsets[o]
-                hi_buf[m] = offsets[o] + sz[o]
-                m += 1
-        off = 0
-        if m:
-            srt = np.argsort(lo_buf[:m])
-            best_room = _INF
-            best_at = -1
-            top = 0
-            for i in range(m):
-                start = lo_buf[srt[i]]
-                room = start - top
-                if room >= sz[b] and room < best_room:
-                    best_room = room
-                    best_at = top
-                end = hi_buf[srt[i]]
-                if end > top:
-                    top = end
-            off = best_at if best_at >= 0 else top
-        offsets[b] = off
-        placed[b] = True
-    return offsets

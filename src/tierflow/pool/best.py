@@ -87,10 +87,13 @@ def solve_best(
     sec = search.Sections(lower, upper, units)
     orders = search.preorders(lower, upper, units, sec) if n else {}
     area = units * (upper - lower)
+    last = 0.0
     for name in ("A", "TWA", "S", "WAT"):
-        if best_cost <= lb or not n:
+        if best_cost <= lb or not n or time.perf_counter() + last > deadline:
             break
+        t1 = time.perf_counter()
         off = search.lowest_first(units, orders[name], sec)
+        last = time.perf_counter() - t1
         c = cost(off)
         meta["heuristics"][f"lowest-first/{name}"] = c
         if c < best_cost:
@@ -103,11 +106,14 @@ def solve_best(
     nodes = 0
     limit = max(64, 2 * n)
     rounds = 0
+    # a node costs O(n): on large problems look at the clock more often
+    step = max(64, STEP * 512 // max(n, 512))
+    gave_up = False
 
     def probe(cap: int, per_order: int) -> tuple[np.ndarray | None, bool]:
         """Try ``cap`` under each preorder (static, then one randomised) with
         ``per_order`` nodes each; returns (offsets or None, proven infeasible)."""
-        nonlocal nodes
+        nonlocal nodes, gave_up
         for k, h in enumerate((*HEURISTICS, "random")):
             if h == "random":
                 h = HEURISTICS[rounds % len(HEURISTICS)]
@@ -115,23 +121,24 @@ def solve_best(
             else:
                 order = orders[h]
             s = search.Search(units, cap, order, sec, area, h)
-            while s.result is None and s.nodes < per_order and nodes < budget and time.perf_counter() < deadline:
-                step = int(min(STEP, per_order - s.nodes, budget - nodes))
+            while (s.result is None and not s.gave_up and s.nodes < per_order and nodes < budget
+                   and time.perf_counter() < deadline):
                 before = s.nodes
-                s.advance(step)
+                s.advance(int(min(step, per_order - s.nodes, budget - nodes)))
                 nodes += s.nodes - before
+            gave_up |= s.gave_up
             meta["attempts"].append({"capacity": cap * gcd * problem.alignment, "order": h if k < 3 else "random",
                                      "nodes": s.nodes, "result": s.result})
             if s.result:
                 return s.offsets.copy(), False
             if s.result is False:
                 return None, True
-            if nodes >= budget or time.perf_counter() >= deadline:
+            if nodes >= budget or time.perf_counter() >= deadline or gave_up:
                 break
         return None, False
 
     floor_cap = lb  # proven: nothing below it is feasible
-    while best_cost > floor_cap and nodes < budget and time.perf_counter() < deadline:
+    while best_cost > floor_cap and nodes < budget and time.perf_counter() < deadline and not gave_up:
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
             best_off, best_cost, best_from = off, cost(off), "search"
@@ -140,7 +147,7 @@ def solve_best(
             floor_cap += 1
             continue
         lo, hi = floor_cap + 1, best_cost - 1
-        while lo <= hi and nodes < budget and time.perf_counter() < deadline:
+        while lo <= hi and nodes < budget and time.perf_counter() < deadline and not gave_up:
             cap = (lo + hi) // 2
             off, proven = probe(cap, limit)
             if off is not None:
@@ -157,7 +164,8 @@ def solve_best(
     offsets = np.zeros(len(problem), dtype=np.int64)
     offsets[keep] = best_off * gcd * problem.alignment
     peak = peak_of(problem, offsets)
-    meta.update(nodes=nodes, rounds=rounds, found_by=best_from, proven_floor=floor_cap * gcd * problem.alignment)
+    meta.update(nodes=nodes, rounds=rounds, found_by=best_from, proven_floor=floor_cap * gcd * problem.alignment,
+                search_gave_up=gave_up)
     return Solution(
         offsets=offsets,
         peak=peak,

@@ -35,6 +35,9 @@ import numpy as np
 # (the lowest floor of each section's unplaced buffers) is gathered; above, it costs
 # more than it prunes and the top of the placed buffers stands in
 STRONG_LIMIT = 200_000
+# the pools (entries each) may grow to this; a search that needs more gives up (on tens
+# of thousands of buffers every level copies a large part: the memory would run out)
+MAX_POOL = 1 << 24
 
 
 @dataclass
@@ -160,6 +163,7 @@ class Search:
         self.ctl[K.C_A], self.ctl[K.C_Z], self.ctl[K.C_PTOP] = 0, n, n
         self.ctl[K.C_CUR] = self.ctl[K.C_RANK] = -1
         self.result: bool | None = None  # True found, False exhausted, None undecided
+        self.gave_up = False  # the pools hit MAX_POOL: the search cannot go on
         if n == 0:
             self.result = True
         elif int(sec.total.max(initial=0)) > capacity:
@@ -175,7 +179,7 @@ class Search:
         (a placement within the capacity: :attr:`offsets`), False (none exists) or None
         (undecided yet)."""
         K = self._k
-        if self.result is not None:
+        if self.result is not None or self.gave_up:
             return self.result
         self.ctl[K.C_PAUSE] = self.nodes + max(1, int(nodes))
         while True:
@@ -183,7 +187,9 @@ class Search:
                       STRONG_LIMIT, self.rank, self.minoff, self.placed, self.offsets, self.total, self.floor, self.fr, self.pbuf, self.mbuf, self.rbuf,
                       self.sbuf_t, self.sbuf_f, self.cbuf, self.ctl)  # fmt: skip
             if r == K.GROW:
-                self._grow(int(self.ctl[K.C_POOL]))
+                if not self._grow(int(self.ctl[K.C_POOL])):
+                    self.gave_up = True
+                    return None
                 continue
             if r == K.FOUND:
                 self.result = True
@@ -191,16 +197,23 @@ class Search:
                 self.result = False
             return self.result
 
-    def _grow(self, pool: int) -> None:
+    def _grow(self, pool: int) -> bool:
+        """Double pool ``pool`` (1 parts, 2 sections, 3 candidates); False when that
+        would pass :data:`MAX_POOL`."""
+
         def twice(a: np.ndarray) -> np.ndarray:
             return np.concatenate([a, np.zeros_like(a)])
 
+        size = {1: len(self.pbuf), 2: len(self.sbuf_t), 3: len(self.cbuf)}[pool]
+        if 2 * size > MAX_POOL:
+            return False
         if pool == 1:
             self.pbuf, self.mbuf, self.rbuf = twice(self.pbuf), twice(self.mbuf), twice(self.rbuf)
         elif pool == 2:
             self.sbuf_t, self.sbuf_f = twice(self.sbuf_t), twice(self.sbuf_f)
         else:
             self.cbuf = twice(self.cbuf)
+        return True
 
 
 def feasible(
@@ -233,7 +246,7 @@ def feasible(
     if area is None:
         area = units * (sec.s1 - sec.s0)
     s = Search(units, capacity, order, sec, area, keys)
-    while s.result is None and s.nodes < node_limit and time.perf_counter() < deadline:
+    while s.result is None and not s.gave_up and s.nodes < node_limit and time.perf_counter() < deadline:
         s.advance(min(step, node_limit - s.nodes))
     if s.result:
         return Outcome(s.offsets.copy(), False, s.nodes)
