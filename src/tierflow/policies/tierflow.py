@@ -10,8 +10,8 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
 2. **Which gaps.** Ops are swept in order; while an op is over the line, the gap covering
    it whose tensor is needed furthest in the future (Belady's choice: it relieves memory
    for longest per byte moved) and whose transfers fit the bandwidth timeline is taken.
-   Gaps smaller than ``min_bytes`` come last (their transfers cost more latency than
-   they free), and gaps of empty tensors are never moved.
+   Gaps smaller than ``min_bytes`` are left out (their transfers cost more latency
+   than they free) except by the fallback plan below.
 3. **When and where.** Each route (device to host, to SSD, ...) reserves bytes per op
    slot on every resource it crosses (links, shared buses, tier bandwidth), as the
    simulator shares them; an eviction is packed as early as possible after the last use,
@@ -30,8 +30,8 @@ and a pure function of (trace, hardware, options): no randomness, ties broken by
 
 Options:
     line_rounds (int): closed-loop re-planning rounds (default 4).
-    min_bytes (int): gaps below this size are moved only when nothing larger can make
-        room (default 1 MiB).
+    min_bytes (int): gaps below this size are not moved, unless the fallback plan
+        (made when the packed plan does not validate) needs them (default 1 MiB).
     ssd_slack (float): a gap this many times a slow tier's round trip goes there first
         (default 4).
     repair_rounds (int): at most this many prefetch-repair rounds (default 4).
@@ -173,8 +173,10 @@ def _build(
     if drop is not None:
         # never below what the op itself needs: that much cannot leave
         line = np.maximum(line - drop, np.minimum(line, trace.working_set_bytes.astype(np.float64)))
-    gaps = _gaps(trace)
-    small_bytes = int(opts.get("min_bytes", 2**20))
+    # gaps below min_bytes cost more in latency than they free; the validator-only
+    # fallback (knobs.safe) still takes them when nothing else can make room
+    small_bytes = 0 if knobs.safe else int(opts.get("min_bytes", 2**20))
+    gaps = [g for g in _gaps(trace) if g.size >= small_bytes]
     if not gaps or not (live > line).any():
         return []
     tl = _Timeline(trace, hw, knobs.efficiency)
@@ -295,7 +297,10 @@ def _build(
             # packed before k, or their eviction ends after it): hold them off through
             # op k, as the validator counts them.
             every = np.flatnonzero(((A < k) & (Bu > k)) | ((A < k + n) & (Bu > k + n)))
-            for i in sorted(every.tolist(), key=lambda i: (-(Bu[i] - A[i]), i)):
+            ranked = sorted(every.tolist(), key=lambda i: (-(Bu[i] - A[i]), i))
+            # first pass: cheap extensions; second: reissue late evictions (last resort,
+            # it reorders the eviction queue)
+            for i, last_resort in [(i, False) for i in ranked] + [(i, True) for i in ranked]:
                 if over <= 0:
                     break
                 if not taken[i]:
@@ -303,7 +308,7 @@ def _build(
                 g = gaps[i]
                 kk = k if A[i] < k < Bu[i] else k + n
                 lo, hi, mi, T, e = window[i]
-                if lo <= kk <= hi:
+                if lo <= kk <= hi or (e >= kk and lo > kk) != last_resort:
                     continue
                 if hi < kk:
                     # hold it off until just in time for its next use (by the ideal
