@@ -117,15 +117,16 @@ class BoundResult:
 
 def choose_check_ops(trace: Trace, budget: float, points: int) -> np.ndarray:
     """Ops at which the program checks memory: among the ops whose live bytes exceed the
-    budget, the worst one in each of ``points`` equal slices of the ideal timeline, plus
-    the overall peak. Any choice gives a valid bound; more points give a tighter one."""
+    budget, the worst one in each of ``points`` equal slices of the (ideal) time span they
+    cover, plus the overall peak. Any choice gives a valid bound; more points give a tighter one."""
     over = np.flatnonzero(trace.live_bytes > budget)
     if over.size == 0:
         return over
     if over.size <= points:
         return over
     start = trace.op_start_s[over]
-    edges = np.linspace(0.0, trace.ideal_s, points + 1)
+    # slice the span where memory is over the budget, not the whole iteration
+    edges = np.linspace(float(start[0]), float(start[-1]) * (1 + 1e-12) + 1e-12, points + 1)
     seg = np.clip(np.searchsorted(edges, start, side="right") - 1, 0, points - 1)
     live = trace.live_bytes[over]
     chosen = {int(trace.peak_op)}
