@@ -250,8 +250,6 @@ def _build(
                 moves.append(Move("prefetch", g.tensor, p % n, T, g.b % n))
                 over = live[k] - off[k] - line[k]
                 break
-        if over > 0 and _DEBUG.get("trace"):
-            print("fallback at", k, "over MiB", over / 2**20, "cands", len(cand), "live GiB", live[k] / 2**30)
         if over > 0:
             # Bandwidth cannot hide what is left: take the furthest-used gaps anyway (the
             # step will stall, but the plan fits), evicting at once and fetching back
@@ -340,11 +338,7 @@ def _build(
                     cover(e + 1, lo - 1, off, g.size)
                     window[i][0] = e + 1
                 over = live[k] - off[k] - line[k]
-    _DEBUG["off"] = off
     return moves
-
-
-_DEBUG: dict = {}
 
 
 def _room_for(used, cap, tiers, T, lo, hi, new_hi, size, n):
@@ -398,9 +392,6 @@ def _repair(trace: Trace, hw: Hardware, budget: float, moves: list[Move], res) -
     ends = trace.op_start_s[1:]
     stall = res.op_stall_s
     late: dict[int, float] = {}
-    for rec in res.transfers:
-        if rec.kind not in ("prefetch", "fault"):
-            continue
     stalled = np.flatnonzero(stall > 0)
     if stalled.size == 0:
         return moves
