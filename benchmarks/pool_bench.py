@@ -37,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}", file=sys.stderr)
     if args.warm:
         t0, c0 = time.perf_counter(), time.process_time()
-        # a puzzle greedy cannot solve, so best's search (and its compiled code) runs
+        from tierflow.pool import search
+
+        # one call of each compiled kernel: the heuristics' and the search's
         tiny = pool.Problem((pool.Buffer("long", 0, 10, 4), pool.Buffer("l1", 0, 5, 6),
                              pool.Buffer("r1", 5, 10, 3), pool.Buffer("r2", 5, 10, 3)))
-        pool.solve(tiny, "best", time_limit=60, node_limit=100)
+        sec = search.Sections(tiny.lower, tiny.upper, tiny.units)
+        order = search.preorders(tiny.lower, tiny.upper, tiny.units, sec)["TWA"]
+        search.lowest_first(tiny.units, order, sec)
+        search.feasible(tiny.units, 10, order, sec, time.perf_counter() + 600, 100)
         print(f"warm-up (JIT or cache load): {time.perf_counter() - t0:.1f} s wall, "
               f"{time.process_time() - c0:.1f} s CPU", file=sys.stderr)
     ok = True

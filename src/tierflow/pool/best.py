@@ -35,6 +35,9 @@ Progress = Callable[[float, int], None]  # (fraction of the time limit used, bes
 
 # preorders of the search (MiniMalloc's defaults): keys most significant first
 HEURISTICS = ("WAT", "TAW", "TWA")
+# randomised preorders a probe tries after the static ones: placements below the bound
+# mostly come from the first few hundred nodes under some preorder, so diversity pays
+RANDOM_ORDERS = 6
 # a probe at the lower bound gets this many times the budget of a bisection probe
 LB_WEIGHT = 2
 # placements between two looks at the clock
@@ -110,21 +113,21 @@ def solve_best(
     step = max(64, STEP * 512 // max(n, 512))
     gave_up = False
 
-    def probe(cap: int, per_order: int) -> tuple[np.ndarray | None, bool]:
-        """Try ``cap`` under each preorder (static, then one randomised) with
-        ``per_order`` nodes each; returns (offsets or None, proven infeasible)."""
+    def probe(cap: int, allowed: int) -> tuple[np.ndarray | None, bool]:
+        """Try ``cap`` under each static preorder, then under randomised ones, with
+        ``allowed`` nodes each. Returns (offsets or None, proven infeasible)."""
         nonlocal nodes, gave_up
-        for k, h in enumerate((*HEURISTICS, "random")):
+        for k, h in enumerate((*HEURISTICS, *["random"] * RANDOM_ORDERS)):
             if h == "random":
-                h = HEURISTICS[rounds % len(HEURISTICS)]
+                h = HEURISTICS[(rounds + k) % len(HEURISTICS)]
                 order = _noisy_order(keys, h, rng, n)
             else:
                 order = orders[h]
             s = search.Search(units, cap, order, sec, area, h)
-            while (s.result is None and not s.gave_up and s.nodes < per_order and nodes < budget
+            while (s.result is None and not s.gave_up and s.nodes < allowed and nodes < budget
                    and time.perf_counter() < deadline):
                 before = s.nodes
-                s.advance(int(min(step, per_order - s.nodes, budget - nodes)))
+                s.advance(int(min(step, allowed - s.nodes, budget - nodes)))
                 nodes += s.nodes - before
             gave_up |= s.gave_up
             meta["attempts"].append({"capacity": cap * gcd * problem.alignment, "order": h if k < 3 else "random",
