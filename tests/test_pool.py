@@ -137,7 +137,7 @@ def test_validator_agrees_with_brute_force(p, data):
 @given(problems())
 def test_solvers_valid_and_ordered(p):
     g = pool.solve(p, "greedy")
-    b = pool.solve(p, "best", time_limit=0.2)
+    b = pool.solve(p, "best", time_limit=600, node_limit=2000)  # node-bound: deterministic
     lb = p.lower_bound
     for s in (g, b):
         assert brute_valid(p, s.offsets)
@@ -263,6 +263,20 @@ def test_best_is_deterministic_under_a_node_limit():
     assert a.lower_bound < a.peak < pool.solve(p, "greedy").peak
 
 
+def test_search_gives_up_when_its_pools_are_capped(monkeypatch):
+    """A problem whose search stack outgrows the pool cap: the search stops cleanly and
+    best returns a valid answer no worse than greedy."""
+    from tierflow.pool import search
+
+    monkeypatch.setattr(search, "MAX_POOL", 4096)
+    bufs = [Buffer(f"w{i}", 0, 400, 1 + i % 3) for i in range(40)]
+    bufs += [Buffer(f"t{i}", i, i + 3 + i % 7, 2 + (i * 13) % 9) for i in range(300)]
+    p = Problem(tuple(bufs))
+    b = pool.solve(p, "best", time_limit=600, node_limit=100_000)
+    assert b.meta["search_gave_up"]
+    assert pool.validate(p, b.offsets, b.peak).valid and b.peak <= pool.solve(p, "greedy").peak
+
+
 def test_interpreted_fallback_matches_compiled(tmp_path):
     """Without numba the same kernels run interpreted and give the same answer."""
     import subprocess
@@ -361,6 +375,10 @@ def test_cli_json_and_output(tmp_path, capsys):
     assert out.read_text().startswith("id,lower,upper,size,offset\n")
     assert _cli(["pool", str(f), "--solver", "greedy"]) == 0
     assert "peak" in capsys.readouterr().out
+    assert _cli(["pool", str(f), "--node-limit", "50", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["valid"]
+    with pytest.raises(PoolError, match="--node-limit"):
+        _cli(["pool", str(f), "--node-limit", "-1"])
 
 
 def test_cli_bad_file(tmp_path):

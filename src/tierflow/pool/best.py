@@ -4,13 +4,20 @@
    lowest-floor-first placement under several static preorders.
 2. If the incumbent is above the lower bound, the canonical branch and bound of
    :mod:`.search` decides capacities, in rounds whose node budget doubles (MiniMalloc's
-   round robin): each round tries the lower bound under every preorder, then bisects
-   between the bound and the incumbent at the same budget. A capacity the search
-   cannot settle in one round is tried again with twice the budget in the next, so
-   a problem whose optimum lies above the bound spends most of its time improving the
-   incumbent, not at the bound, and one that meets the bound still meets it early.
+   round robin): each round tries the lower bound (at twice the round's budget), then
+   bisects between the bound and the incumbent. Every capacity is tried under the three
+   static preorders and then six randomised ones (seeded), each with the round's
+   budget. A capacity the search cannot settle in one round is tried again with twice
+   the budget in the next, so a problem whose optimum lies above the bound spends most
+   of its time improving the incumbent, not at the bound, and one that meets the bound
+   still meets it early. A capacity the search exhausts is proven infeasible and never
+   tried again.
 3. The best placement found is returned; it is exact (``optimal``) when it meets the
-   bound.
+   bound or the search proved every capacity below it infeasible.
+
+On tens of thousands of buffers the search's stack outgrows :data:`.search.MAX_POOL`
+within a few thousand placements; it then gives up (``meta["search_gave_up"]``) and the
+heuristics' answer stands.
 
 Capacities and sizes are divided by the greatest common divisor of the sizes (in
 alignment units): every canonical offset is a sum of sizes, so nothing finer matters.

@@ -24,6 +24,9 @@ def register(subparsers) -> None:
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds for best/exact (default 10)")
     p.add_argument("--alignment", type=int, default=1, metavar="B", help="offsets are multiples of B bytes")
     p.add_argument("--seed", type=int, default=0, help="seed of best's randomised restarts")
+    p.add_argument("--node-limit", type=int, default=None, metavar="N",
+                   help="best: stop after N search nodes; with a time limit that does not bind, "
+                   "the result is the same on every run")
     p.add_argument("-o", "--output", help="write the CSV with an offset column here")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=run)
@@ -32,6 +35,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.time_limit < 0:
         raise PoolError(f"--time-limit must be non-negative, got {args.time_limit}")
+    if args.node_limit is not None and args.node_limit < 0:
+        raise PoolError(f"--node-limit must be non-negative, got {args.node_limit}")
     if args.alignment < 1:
         raise PoolError(f"--alignment must be at least 1, got {args.alignment}")
     problem = read_csv(args.file, alignment=args.alignment)
@@ -39,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     show = args.solver == "best" and not args.json and args.time_limit >= 1
     with progress(f"pool {problem.name}: searching", total=100, enabled=show) as update:
         sol = solve(problem, solver=args.solver, time_limit=args.time_limit, seed=args.seed,
-                    progress=lambda frac, peak: update(int(frac * 100)))
+                    node_limit=args.node_limit, progress=lambda frac, peak: update(int(frac * 100)))
     seconds = time.perf_counter() - t0
     report = validate(problem, sol.offsets, sol.peak)
     if args.output:
