@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also train without tierflow and compare losses, gradients, parameters bitwise")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--report", default=None, metavar="HTML",
+                   help="also write the HTML report of the followed plan, measured beside predicted")
     p.set_defaults(func=_train)
 
 
@@ -51,6 +53,8 @@ def _train(args: argparse.Namespace) -> int:
     res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=args.device,
                 policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
                 optimizer=args.optimizer)
+    if args.report:
+        _write_report(args.report, res)
     if args.json:
         u.print_json(res.to_dict())
         return 0 if res.parity is not False else 1
@@ -81,3 +85,21 @@ def _train(args: argparse.Namespace) -> int:
         t.add_row(k, v)
     con.print(t)
     return 0 if res.parity is not False else 1
+
+
+def _write_report(path: str, res) -> None:
+    """The report of the plan the run followed: the simulator's prediction and, beside
+    it, the measured step time and device peak."""
+    from ..errors import TierflowError
+    from ..report import Measured, write_report
+
+    run = res.run
+    if run is None or run.trace is None or run.prediction is None:
+        raise TierflowError("--report: the run made no plan to report on (it never profiled an iteration)")
+    s = res.stats
+    measured = {run.prediction.policy: Measured(
+        time_s=s.step_time_s, peak_bytes={run.hardware.device: int(s.peak_device_bytes)},
+        source=f"measured on {res.device}",
+    )}
+    write_report(path, run.trace, run.hardware, [run.prediction], measured=measured,
+                 command=f"tierflow train --model {res.model}")

@@ -295,6 +295,7 @@ class Run:
         self._io_workers = io_workers
         self.stats = RunStats(budget_bytes=self.budget)
         self.trace: Trace | None = None
+        self.prediction: Any = None  # SimResult of the plan being followed
         self.plan: Plan | None = None
         self.hardware: Hardware | None = None
         self._open = False
@@ -1059,8 +1060,10 @@ class Run:
         try:
             sim = simulate(trace, hw, plan, check_plan=False)
             self.stats.predicted_step_time_s = sim.time_s if math.isfinite(sim.time_s) else None
+            self.prediction = sim  # the simulator's view of the plan, for reports
         except TierflowError:
             self.stats.predicted_step_time_s = None
+            self.prediction = None
         self.stats.ideal_step_time_s = trace.ideal_s
         self.stats.policy = plan.policy
         self.stats.replans += 1

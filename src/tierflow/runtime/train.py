@@ -42,6 +42,7 @@ class TrainResult:
     plain_step_time_s: float | None = None
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    run: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON the CLI prints: the keys the issue names first, then detail."""
@@ -166,9 +167,11 @@ def train(
     parity, detail = None, ""
     if plain is not None:
         parity, detail = _compare(plain[1], plain[2], l1, g1, plain[0].model, m1.model)
-    return TrainResult(model, batch, device, policy if isinstance(policy, str) else "custom", steps,
-                       [float(x) for x in l1], run.stats, parity, detail, plain_time,
-                       time.perf_counter() - t_start)
+    res = TrainResult(model, batch, device, policy if isinstance(policy, str) else "custom", steps,
+                      [float(x) for x in l1], run.stats, parity, detail, plain_time,
+                      time.perf_counter() - t_start)
+    res.run = run  # the profiled trace, plan and prediction, for reports (not in to_dict)
+    return res
 
 
 def demo_run(model: str = "gpt-tiny", steps: int = 6, ssd_dir: str | None = None, budget: str = "50%",
