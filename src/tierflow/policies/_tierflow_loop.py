@@ -1,0 +1,140 @@
+"""The closed loop of ``tierflow``: seed plans, then repair them against the simulator.
+
+Seeds are candidate plans from this package's planners (tierflow's own greedy pass,
+``singa``, ``g10`` under a few of its own option settings). Each is simulated; then
+:func:`repair` reads the simulation's stalls and fixes their causes:
+
+* a **prefetch that arrived late** (it ended while the op that needs it waited) is
+  issued earlier, by the measured lateness (times a factor), mapped onto the simulated
+  op clock: the new ``after_op`` is the last op that ended before the new issue time;
+* a **fault** (a tensor fetched on demand by a reactive plan's pager) gets a prefetch
+  hint issued early enough, by the simulated clock, for the fetch to finish before the
+  op would have started.
+
+A repair is kept only if the simulated step gets shorter (hill climbing), so the loop
+never makes a seed worse. Everything is a pure function of its inputs: a fixed number of
+rounds, no wall clock, ties broken by ids.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import PlanError
+from ..hardware import Hardware
+from ..plan import Move, Plan, validate
+from ..trace import Trace
+
+
+def simulate_score(trace: Trace, hw: Hardware, plan: Plan):
+    """(step seconds, result); ``inf`` when the plan cannot run."""
+    from ..simulate import simulate
+
+    res = simulate(trace, hw, plan, check_plan=False)
+    return (res.time_s if res.fits and not res.error else math.inf), res
+
+
+def _op_before(ends: np.ndarray, t: float) -> int:
+    """The last op whose simulated end is at or before ``t`` (-1 if none)."""
+    return int(np.searchsorted(ends, t, side="right")) - 1
+
+
+def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float) -> Plan | None:
+    """One round of stall repairs (see the module docstring); None if there is nothing
+    to change or the repaired plan does not validate."""
+    stall = res.op_stall_s
+    stalled = np.flatnonzero(stall > 1e-9)
+    if stalled.size == 0 or not res.transfers:
+        return None
+    starts, ends = res.op_start_s, res.op_end_s
+    period = res.time_s
+    moves = list(plan.moves)
+    pf_index: dict[tuple[int, int], int] = {}
+    for i, m in enumerate(moves):
+        if m.kind == "prefetch" and m.needed_by is not None:
+            pf_index[(m.tensor, m.needed_by)] = i
+    # transfers that ended inside an op's stall, per (tensor, op)
+    late: dict[tuple[int, int], tuple[float, object]] = {}
+    by_tensor: dict[int, list] = {}
+    for rec in res.transfers:
+        if rec.kind in ("prefetch", "fault"):
+            by_tensor.setdefault(rec.tensor, []).append(rec)
+    for k in stalled.tolist():
+        ready = starts[k] - stall[k]  # when the op could have started
+        for t in trace.op_tensors[k]:
+            for rec in by_tensor.get(int(t), ()):
+                if ready - 1e-9 < rec.end_s <= starts[k] + 1e-9:
+                    lateness = rec.end_s - ready
+                    key = (int(t), k)
+                    if key not in late or lateness > late[key][0]:
+                        late[key] = (lateness, rec)
+    if not late:
+        return None
+    changed = False
+    added: list[Move] = []
+    for (t, k), (lateness, rec) in sorted(late.items()):
+        i = pf_index.get((t, k))
+        if i is not None:
+            m = moves[i]
+            issue = rec.issue_s - factor * lateness
+            q = _op_before(ends, issue)
+            if m.after_op < k:  # same iteration: stay after the gap opens
+                if q >= m.after_op:
+                    q = m.after_op - 1
+                if q < 0:
+                    continue
+            else:  # the prefetch wraps (issued in the previous iteration)
+                if q < 0:
+                    q = _op_before(ends, issue + period)
+                    if q <= k or q >= m.after_op:
+                        continue
+                elif q >= m.after_op:
+                    q = m.after_op - 1
+                else:
+                    continue  # moving it into this iteration would reorder the gap
+            if q != m.after_op:
+                moves[i] = Move("prefetch", m.tensor, q, m.tier, m.needed_by)
+                changed = True
+        elif plan.reactive and rec.kind == "fault":
+            span = rec.end_s - rec.issue_s
+            issue = (starts[k] - stall[k]) - factor * span
+            q = _op_before(ends, issue)
+            if q < 0 or q >= k:
+                continue
+            added.append(Move("prefetch", t, q, None, k))
+            changed = True
+    if not changed:
+        return None
+    new = Plan(plan.policy, tuple(moves) + tuple(added), budget_bytes=plan.budget_bytes,
+               reactive=plan.reactive, frees_dead=plan.frees_dead, refetch_dead=plan.refetch_dead,
+               headroom=plan.headroom, meta=dict(plan.meta))
+    try:
+        validate(new, trace, hw)
+    except PlanError:
+        return None
+    return new
+
+
+def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: int,
+            factors: tuple[float, ...] = (1.0, 2.0, 0.5)):
+    """Hill-climb ``plan`` with :func:`repair` for at most ``rounds`` simulations.
+    Returns (score, plan, result, simulations used)."""
+    used = 0
+    fi = 0
+    misses = 0
+    while used < rounds and misses < len(factors):
+        new = repair(trace, hw, plan, res, factors[fi])
+        if new is None:
+            misses += 1
+            fi = (fi + 1) % len(factors)
+            continue
+        s2, r2 = simulate_score(trace, hw, new)
+        used += 1
+        if s2 < score:
+            score, plan, res, misses = s2, new, r2, 0
+        else:
+            misses += 1
+            fi = (fi + 1) % len(factors)
+    return score, plan, res, used
