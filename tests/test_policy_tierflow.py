@@ -77,3 +77,35 @@ def test_bert_matches_g10_published(g10_dir):
     trace = load_trace(g10_dir / "bert-256")
     r = simulate(trace, hw, make_plan("tierflow", trace, hw))
     assert r.ratio >= 0.997  # G10's published prefetch_lru ratio on this case
+
+
+@pytest.mark.parametrize("share", [0.35, 0.5])
+def test_at_least_as_good_as_its_seeds(gpt, share):
+    # the portfolio keeps the best simulated plan, so no seed planner may beat it
+    trace, hw = gpt
+    budget = int(trace.peak_live_bytes * share)
+    plan = make_plan("tierflow", trace, hw, budget=budget)
+    ours = simulate(trace, hw, plan).ratio
+    assert plan.meta["seed"] in {"tierflow", "singa"} or plan.meta["seed"].startswith("g10")
+    for base in ("singa", "g10"):
+        try:
+            theirs = simulate(trace, hw, make_plan(base, trace, hw, budget=budget)).ratio
+        except PlanError:
+            continue
+        assert ours >= theirs - 1e-12, (base, share, ours, theirs)
+
+
+def test_repair_never_worsens_and_own_pass_is_planned(gpt):
+    from tierflow.plan import Plan
+    from tierflow.policies._tierflow_loop import improve, simulate_score
+
+    trace, hw = gpt
+    budget = int(trace.peak_live_bytes * 0.35)
+    own = make_plan("tierflow", trace, hw, budget=budget, portfolio=False)
+    assert not own.reactive and own.meta["seed"] == "tierflow"
+    validate(own, trace, hw)
+    seed = Plan("x", own.moves, budget_bytes=budget)
+    s0, r0 = simulate_score(trace, hw, seed)
+    s1, p1, _, used = improve(trace, hw, seed, s0, r0, 4)
+    assert s1 <= s0 and used <= 4
+    validate(p1, trace, hw)

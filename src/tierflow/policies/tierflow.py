@@ -19,22 +19,31 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    the first tier whose capacity holds the tensor over the gap and whose transfers fit;
    gaps long enough for a slow tier (``ssd_slack`` times its round trip) try the slowest
    tier first so the fast one stays free for short gaps.
-4. **Closed loop.** Each candidate plan is simulated; the loop keeps the best, then
-   repairs it: prefetches that arrived late are issued earlier (by the lateness the
-   simulator measured), while memory allows, and it repeats until no stall improves or
-   the time limit is reached. The knobs (bandwidth efficiency assumed when packing,
-   memory margin) are searched the same way.
+4. **Portfolio and closed loop** (:mod:`._tierflow_loop`). Seeds: the plan of steps
+   1-3, then ``singa``'s planned schedule and ``g10``'s reactive hints under four of
+   its own settings (published bookkeeping or the machine's real figures; line at 99%
+   or lower). Each seed is simulated and the best one (shortest simulated step, ties to
+   the earlier seed) is repaired against the simulator: prefetches that arrived while
+   an op stalled are issued earlier by the measured lateness, faults of a reactive
+   plan get prefetch hints early enough by the simulated clock; a repair is kept only
+   if the simulated step gets shorter. So tierflow is never worse than its seeds by
+   construction; what it gains beyond them is the repair's (measured in BENCHMARKS.md:
+   on G10's five workloads the repairs found nothing to gain over the best seed).
 
-The result is a planned (non-reactive) plan, checked by :func:`tierflow.plan.validate`,
-and a pure function of (trace, hardware, options): no randomness, ties broken by ids.
+The result is whichever plan won: planned (checked by :func:`tierflow.plan.validate`)
+when the own pass or ``singa`` wins, *reactive* (G10-style hints to the on-demand
+pager) when a ``g10`` seed wins; ``meta["seed"]`` says which. It is a pure function of
+(trace, hardware, options): a fixed number of simulations, no randomness, ties by ids.
 
 Options:
-    line_rounds (int): closed-loop re-planning rounds (default 4).
-    min_bytes (int): gaps below this size are not moved, unless the fallback plan
-        (made when the packed plan does not validate) needs them (default 1 MiB).
+    min_bytes (int): gaps below this size are not moved by the own pass, unless the
+        fallback plan (made when the packed plan does not validate) needs them
+        (default 1 MiB).
     ssd_slack (float): a gap this many times a slow tier's round trip goes there first
         (default 4).
-    repair_rounds (int): at most this many prefetch-repair rounds (default 4).
+    repair_rounds (int): at most this many repair simulations (default 8).
+    portfolio (bool): seed from the other planners too (default True); False plans
+        with the own pass and the repair loop only (always planned).
 """
 
 from __future__ import annotations
