@@ -112,7 +112,7 @@ def solve_best(
 
     # 2. capacity search in rounds of doubling node budgets
     rng = np.random.default_rng(seed)
-    keys = {"T": sec.buffer_total, "W": sec.s1 - sec.s0, "A": area}
+    keys = {"T": sec.buffer_total, "W": upper - lower, "A": area}
     nodes = 0
     limit = max(64, 2 * n)
     rounds = 0
@@ -130,7 +130,7 @@ def solve_best(
                 order = _noisy_order(keys, h, rng, n)
             else:
                 order = orders[h]
-            s = search.Search(units, cap, order, sec, area, h)
+            s = search.Search(units, cap, order, sec, area, h, width=upper - lower)
             while (s.result is None and not s.gave_up and s.nodes < allowed and nodes < budget
                    and time.perf_counter() < deadline):
                 before = s.nodes

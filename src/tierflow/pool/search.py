@@ -86,12 +86,12 @@ class Sections:
 
 def preorders(lower: np.ndarray, upper: np.ndarray, units: np.ndarray, sec: Sections) -> dict[str, np.ndarray]:
     """Static orders for tie-breaking and branching, named by their keys (all
-    descending): T total in the buffer's busiest section, W sections spanned, A area,
-    S size, L lifetime."""
+    descending): T total in the buffer's busiest section, W lifetime (MiniMalloc's
+    width), A area, S size, L lifetime."""
     n = len(lower)
     idx = np.arange(n)
     t = sec.buffer_total
-    w = sec.s1 - sec.s0
+    w = upper - lower
     a = units * (upper - lower)
     return {
         "TWA": np.lexsort((idx, -a, -w, -t)),
@@ -118,15 +118,23 @@ class Search:
         sec: the problem's sections.
         area: per buffer, size times lifetime (a preorder key).
         keys: the preorder that groups split off during the search get: letters T
-            (most units live in any of the buffer's sections), W (sections spanned), A
+            (most units live in any of the buffer's sections), W (``width``), A
             (area), most significant first, all descending.
+        width: per buffer, its lifetime (default: the sections it spans).
 
     Raises:
         ValueError: a buffer of size 0, or an unknown key.
     """
 
     def __init__(
-        self, units: np.ndarray, capacity: int, order: np.ndarray, sec: Sections, area: np.ndarray, keys: str = "TWA"
+        self,
+        units: np.ndarray,
+        capacity: int,
+        order: np.ndarray,
+        sec: Sections,
+        area: np.ndarray,
+        keys: str = "TWA",
+        width: np.ndarray | None = None,
     ) -> None:
         from . import _kernels as K
 
@@ -138,7 +146,7 @@ class Search:
         self.capacity = int(capacity)
         self.sec = sec
         self.units = np.ascontiguousarray(units, dtype=np.int64)
-        self.wide = (sec.s1 - sec.s0).astype(np.int64)
+        self.wide = np.ascontiguousarray(sec.s1 - sec.s0 if width is None else width, dtype=np.int64)
         self.area = np.ascontiguousarray(area, dtype=np.int64)
         if not keys or set(keys) - set("TWA"):
             raise ValueError(f"preorder keys {keys!r}: expected letters of T, W, A")
