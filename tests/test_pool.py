@@ -184,10 +184,10 @@ def test_search_decides_the_optimum_like_the_milp(p):
     opt = int(((e.offsets // p.alignment) + un).max())
     for name, order in preorders(lo, up, un, sec).items():
         keys = name if set(name) <= set("TWA") else "TWA"
-        at = feasible(un, opt, order, sec, float("inf"), 10**6, keys=keys)
+        at = feasible(un, opt, order, sec, float("inf"), 10**6, keys=keys, width=up - lo)
         assert at.offsets is not None and int((at.offsets + un).max()) <= opt
         assert pool.validate(p, at.offsets * p.alignment).valid
-        below = feasible(un, opt - 1, order, sec, float("inf"), 10**6, keys=keys)
+        below = feasible(un, opt - 1, order, sec, float("inf"), 10**6, keys=keys, width=up - lo)
         assert below.offsets is None and below.exhausted
 
 

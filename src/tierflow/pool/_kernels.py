@@ -1,5 +1,6 @@
 """Compiled inner loops of the pool solvers: numba when it is importable, else the same
-code run by the interpreter (correct, about a hundred times slower).
+code run by the interpreter (correct, but about two hundred times slower: 1.8 against
+330 thousand search nodes per CPU second on MiniMalloc's case G).
 
 Only :mod:`.best` and :mod:`.search` import this module, and only when they run, so
 ``import tierflow`` and the CLI never load numba. The functions take flat integer

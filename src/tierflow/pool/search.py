@@ -192,8 +192,9 @@ class Search:
         self.ctl[K.C_PAUSE] = self.nodes + max(1, int(nodes))
         while True:
             r = K.run(self.sec.s0, self.sec.s1, self.units, self.wide, self.area, self.keys3, self.capacity,
-                      STRONG_LIMIT, self.rank, self.minoff, self.placed, self.offsets, self.total, self.floor, self.fr, self.pbuf, self.mbuf, self.rbuf,
-                      self.sbuf_t, self.sbuf_f, self.cbuf, self.ctl)  # fmt: skip
+                      STRONG_LIMIT, self.rank, self.minoff, self.placed, self.offsets, self.total, self.floor,
+                      self.fr, self.pbuf, self.mbuf, self.rbuf, self.sbuf_t, self.sbuf_f, self.cbuf,
+                      self.ctl)  # fmt: skip
             if r == K.GROW:
                 if not self._grow(int(self.ctl[K.C_POOL])):
                     self.gave_up = True
@@ -233,6 +234,7 @@ def feasible(
     node_limit: int,
     area: np.ndarray | None = None,
     keys: str = "TWA",
+    width: np.ndarray | None = None,
     step: int = 1 << 16,
 ) -> Outcome:
     """Search for a canonical placement with every top at most ``capacity`` (units).
@@ -246,6 +248,7 @@ def feasible(
         node_limit: placements to try before giving up.
         area: per buffer, size times lifetime (default: size times sections spanned).
         keys: the preorder of groups split off during the search (see :class:`Search`).
+        width: per buffer, its lifetime (the W key; default: the sections it spans).
         step: placements between two looks at the clock.
 
     Raises:
@@ -253,7 +256,7 @@ def feasible(
     """
     if area is None:
         area = units * (sec.s1 - sec.s0)
-    s = Search(units, capacity, order, sec, area, keys)
+    s = Search(units, capacity, order, sec, area, keys, width)
     while s.result is None and not s.gave_up and s.nodes < node_limit and time.perf_counter() < deadline:
         s.advance(min(step, node_limit - s.nodes))
     if s.result:
