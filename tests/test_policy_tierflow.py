@@ -109,3 +109,28 @@ def test_repair_never_worsens_and_own_pass_is_planned(gpt):
     s1, p1, _, used = improve(trace, hw, seed, s0, r0, 4)
     assert s1 <= s0 and used <= 4
     validate(p1, trace, hw)
+
+
+def test_room_repair_hints_evictions_after_last_use(gpt):
+    # A reactive plan at a tight budget makes its pager evict on demand while ops wait;
+    # the room repair must turn those into earlier eviction hints, each issued after the
+    # tensor's last use before the stalled op and before the op that stalled.
+    import numpy as np
+
+    from tierflow.policies._tierflow_loop import _room_repairs, repair, simulate_score
+
+    trace, hw = gpt
+    budget = int(trace.peak_live_bytes * 0.35)
+    plan = make_plan("g10", trace, hw, budget=budget)
+    assert plan.reactive
+    _, res = simulate_score(trace, hw, plan)
+    stalled = np.flatnonzero(res.op_stall_s > 1e-9)
+    hints = _room_repairs(trace, plan, res, stalled, 1.0)
+    assert hints, "a tight reactive plan should wait for room somewhere"
+    have = {(m.tensor, m.after_op) for m in plan.moves}
+    for m in hints:
+        assert m.kind == "evict" and (m.tensor, m.after_op) not in have
+        assert m.after_op >= trace.uses(m.tensor)[0]
+    new = repair(trace, hw, plan, res, 1.0, frozenset({"room"}))
+    assert new is not None and new.reactive
+    assert len(new.moves) == len(plan.moves) + len(hints)

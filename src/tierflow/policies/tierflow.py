@@ -25,10 +25,11 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    or lower). Each seed is simulated and the best one (shortest simulated step, ties to
    the earlier seed) is repaired against the simulator: prefetches that arrived while
    an op stalled are issued earlier by the measured lateness, faults of a reactive
-   plan get prefetch hints early enough by the simulated clock; a repair is kept only
-   if the simulated step gets shorter. So tierflow is never worse than its seeds by
-   construction; what it gains beyond them is the repair's (measured in BENCHMARKS.md:
-   on G10's five workloads the repairs found nothing to gain over the best seed).
+   plan get prefetch hints early enough by the simulated clock, and evictions a
+   reactive plan's pager made on demand while an op waited for room are hinted
+   earlier; each kind of repair is tried alone, and kept only if the simulated step
+   gets shorter. So tierflow is never worse than its seeds by construction; what it
+   gains beyond them is the repair's (measured in BENCHMARKS.md).
 
 The result is whichever plan won: planned (checked by :func:`tierflow.plan.validate`)
 when the own pass or ``singa`` wins, *reactive* (G10-style hints to the on-demand
@@ -41,7 +42,7 @@ Options:
         (default 1 MiB).
     ssd_slack (float): a gap this many times a slow tier's round trip goes there first
         (default 4).
-    repair_rounds (int): at most this many repair simulations (default 8).
+    repair_rounds (int): at most this many repair simulations (default 12).
     portfolio (bool): seed from the other planners too (default True); False plans
         with the own pass and the repair loop only (always planned).
 """
@@ -424,7 +425,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     opts = dict(options.extra or {})
     budget = options.budget_bytes
     ideal = trace.ideal_s * (1 + 1e-9)
-    rounds = int(opts.get("repair_rounds", 8))
+    rounds = int(opts.get("repair_rounds", 12))
     scored = []
     for name, plan in _seeds(trace, hardware, options, opts):
         try:
