@@ -12,7 +12,10 @@
    of its time improving the incumbent, not at the bound, and one that meets the bound
    still meets it early. A capacity the search exhausts is proven infeasible and never
    tried again.
-3. The best placement found is returned; it is exact (``optimal``) when it meets the
+3. Time left over (the search stopped early or gave up, as it does on tens of
+   thousands of buffers) goes to :func:`.repair.repair`, band-lifting moves on the
+   incumbent that are kept only when they lower its peak.
+4. The best placement found is returned; it is exact (``optimal``) when it meets the
    bound or the search proved every capacity below it infeasible.
 
 On tens of thousands of buffers the search's stack outgrows :data:`.search.MAX_POOL`
@@ -34,7 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import search
+from . import repair, search
 from .greedy import best_fit, size_order
 from .problem import Problem, Solution, lower_bound, peak_of
 
@@ -47,6 +50,8 @@ HEURISTICS = ("WAT", "TAW", "TWA")
 RANDOM_ORDERS = 6
 # a probe at the lower bound gets this many times the budget of a bisection probe
 LB_WEIGHT = 2
+# band-lifting moves the final repair may try (its deterministic budget)
+REPAIR_MOVES = 8
 # placements between two looks at the clock
 STEP = 1 << 13
 
@@ -170,6 +175,14 @@ def solve_best(
             report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
         limit *= 2
         rounds += 1
+
+    # 3. local repair of the incumbent (module repair): on large problems the search
+    # gives up early and this is what time is left for; it never raises the peak
+    if best_cost > lb and n and time.perf_counter() < deadline:
+        off, facts = repair.repair(lower, upper, units, best_off, lb, max_moves=REPAIR_MOVES, deadline=deadline)
+        meta["repair"] = {"moves": facts["moves"], "peaks": [x * gcd * problem.alignment for x in facts["peaks"]]}
+        if cost(off) < best_cost:
+            best_off, best_cost, best_from = off, cost(off), "repair"
 
     offsets = np.zeros(len(problem), dtype=np.int64)
     offsets[keep] = best_off * gcd * problem.alignment
