@@ -36,6 +36,14 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
         "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
         help="a policy option, e.g. --set lookahead=4 (repeatable; see each policy's docs)",
     )
+    p.add_argument(
+        "--gpus", type=int, default=1,
+        help="data-parallel ranks: simulate one rank of N over the hardware's [interconnect] (default: 1)",
+    )
+    p.add_argument(
+        "--strategy", choices=("ddp", "fsdp"), default="ddp",
+        help="with --gpus N: ddp (replicated, all-reduce) or fsdp (sharded, all-gather/reduce-scatter)",
+    )
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
@@ -145,11 +153,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_policies(
-    trace: Any, hw: Any, names: list[str], budget: Any, show_progress: bool, options: dict | None = None
+    trace: Any, hw: Any, names: list[str], budget: Any, show_progress: bool, options: dict | None = None,
+    gpus: int = 1, strategy: str = "ddp",
 ) -> list[Any]:
     from .errors import PlanError
     from .policies import make_plan, resolve_budget
     from .simulate import SimResult, simulate
+
+    if gpus < 1:
+        raise SystemExit("tierflow: --gpus must be >= 1")
+    if gpus > 1:
+        from .simulate.parallel import DataParallel, rank_trace, simulate_parallel
+
+        dp = DataParallel.on(hw, gpus, strategy)
+        trace = rank_trace(trace, dp)  # plans and simulations are of one rank
+
+        def simulate(tr: Any, h: Any, plan: Any, progress: Any = None) -> Any:
+            return simulate_parallel(tr, h, plan, dp, progress=progress).sim
 
     resolve_budget(trace, hw, budget)  # a budget nothing can meet stops here, once
     results = []
@@ -183,11 +203,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     hw = load_hardware(args.hardware)
     trace = u.resolve_trace(args, hardware=hw)
+    if args.plan_file and args.gpus > 1:
+        raise SystemExit("tierflow: --plan-file replays a one-GPU plan; it cannot be combined with --gpus")
     if args.plan_file:
         res = _replay(trace, hw, args)
     else:
         _policy_list(args.policy)
-        (res,) = _run_policies(trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options))
+        (res,) = _run_policies(
+            trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy
+        )
     if args.json:
         u.print_json(res.to_dict())
     else:
@@ -220,7 +244,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware)
     trace = u.resolve_trace(args, hardware=hw)
     names = _policy_list(args.policies)
-    results = _run_policies(trace, hw, names, args.budget, not args.json, parse_options(args.options))
+    results = _run_policies(
+        trace, hw, names, args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy
+    )
     if args.json:
         u.print_json([r.to_dict() for r in results])
     else:

@@ -28,6 +28,10 @@ of the same form (``tierflow hardware show g10-a100`` prints one to start from):
     buses = ["pcie-h2d"]
     [buses]
     pcie-h2d = 15.754
+    [interconnect]                      # optional: GPU-to-GPU, for data-parallel runs
+    name = "nvlink3"
+    gbps = 300                          # per direction, per GPU, effective (ring algbw)
+    latency_us = 5                      # per ring hop
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ import tomllib
 from .errors import HardwareError
 from .units import parse_bytes
 
-TIER_KINDS = ("device", "host", "pmem", "ssd")
+# "peer" is the other GPUs of a data-parallel run, an endpoint for collectives only
+# (tierflow.simulate.parallel adds it); it holds no tensors.
+TIER_KINDS = ("device", "host", "pmem", "ssd", "peer")
 INF = math.inf
 
 
@@ -75,6 +81,20 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Interconnect:
+    """The GPU-to-GPU path a data-parallel run's collectives use (NVLink, PCIe peer to
+    peer, a network): ``bandwidth`` in bytes/s per direction per GPU, as a ring
+    all-reduce achieves it, and ``latency_s`` per ring hop. ``buses`` names buses of
+    the machine its traffic also crosses (a PCIe peer-to-peer path shares the GPU's
+    lanes with host copies; NVLink does not)."""
+
+    name: str
+    bandwidth: float
+    latency_s: float = 0.0
+    buses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Compute:
     """Peak rates of the compute device, for the roofline cost model."""
 
@@ -93,6 +113,7 @@ class Hardware:
     buses: dict[str, float] = field(default_factory=dict)
     fault_latency_s: float = 0.0
     description: str = ""
+    interconnect: Interconnect | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -251,6 +272,13 @@ class Hardware:
         if self.buses:
             lines.append("[buses]")
             lines += [f'"{k}" = {num(v / 1e9)}' for k, v in self.buses.items()]
+        if self.interconnect is not None:
+            ic = self.interconnect
+            lines += ["", "[interconnect]", f'name = "{ic.name}"', f"gbps = {num(ic.bandwidth / 1e9)}"]
+            if ic.latency_s:
+                lines.append(f"latency_us = {num(ic.latency_s * 1e6)}")
+            if ic.buses:
+                lines.append("buses = [" + ", ".join(f'"{b}"' for b in ic.buses) + "]")
         return "\n".join(lines) + "\n"
 
 
@@ -297,6 +325,15 @@ def _check(hw: Hardware) -> None:
             raise HardwareError(f"{where}: bus {b}: bandwidth must be > 0, got {bw!r}")
     if hw.fault_latency_s < 0:
         raise HardwareError(f"{where}: field 'fault_latency_us' must be >= 0")
+    ic = hw.interconnect
+    if ic is not None:
+        if not ic.bandwidth > 0 or ic.bandwidth == INF:
+            raise HardwareError(f"{where}: [interconnect]: field 'gbps' must be a finite number > 0")
+        if not ic.latency_s >= 0:
+            raise HardwareError(f"{where}: [interconnect]: field 'latency_us' must be >= 0")
+        for b in ic.buses:
+            if b not in hw.buses:
+                raise HardwareError(f"{where}: [interconnect]: bus {b!r} is not declared under [buses]")
 
 
 # -- loading ----------------------------------------------------------------------------
@@ -415,6 +452,21 @@ def _from_dict(data: dict, source: str) -> Hardware:
             )
         )
     buses = {k: _num(data.get("buses", {}), k, f"{source} [buses]") * 1e9 for k in data.get("buses", {})}
+    interconnect = None
+    if "interconnect" in data:
+        ic = data["interconnect"]
+        where = f"{source} [interconnect]"
+        if not isinstance(ic, dict):
+            raise HardwareError(f"{where}: must be a table")
+        ic_buses = ic.get("buses", [])
+        if not isinstance(ic_buses, list):
+            raise HardwareError(f"{where}: field 'buses' must be a list of bus names")
+        interconnect = Interconnect(
+            name=str(ic.get("name", "interconnect")),
+            bandwidth=_num(ic, "gbps", where) * 1e9,
+            latency_s=_num(ic, "latency_us", where, 0.0) * 1e-6,
+            buses=tuple(ic_buses),
+        )
     return Hardware(
         name=str(data["name"]),
         device=str(data["device"]),
@@ -424,4 +476,5 @@ def _from_dict(data: dict, source: str) -> Hardware:
         buses=buses,
         fault_latency_s=_num(data, "fault_latency_us", source, 0.0) * 1e-6,
         description=str(data.get("description", "")),
+        interconnect=interconnect,
     )

@@ -90,6 +90,9 @@ class _Simulator:
         self.outgoing = 0.0  # device bytes being evicted (room on its way)
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.pinned: set[int] = set()
+        # tensors another stream is reading (a collective): never chosen as eviction
+        # victims; subclasses (simulate.parallel) fill and empty it
+        self.held: dict[int, int] = {}
         self.deferred: deque[int] = deque()
         self.demand_waiting = False
         self.window = math.inf
@@ -184,7 +187,7 @@ class _Simulator:
             return True
         victims = []
         for t in self.lru:
-            if t in self.pinned or t in protect:
+            if t in self.pinned or t in protect or t in self.held:
                 continue
             victims.append(t)
             short -= self.size[t]
@@ -291,6 +294,7 @@ class _Simulator:
             for i in range(n_ops):
                 self.current_op = i
                 ready = eng.now
+                self._before_op(i)
                 self._bring_in(self.op_tensors[i])
                 start = eng.now
                 eng.run_until(start + durations[i])
@@ -301,6 +305,7 @@ class _Simulator:
                     if t in self.lru:
                         self.lru.move_to_end(t)
                 self.pinned = set()
+                self._after_op(i)
                 for t in self.dies.get(i, ()):
                     self._die(t)
                 for m in self.moves.get(i, ()):
@@ -314,6 +319,14 @@ class _Simulator:
         self.end = eng.now
         if progress is not None:
             progress(total, total)
+
+    def _before_op(self, i: int) -> None:
+        """Hook: runs before op ``i`` gathers its tensors; time it lets pass is the op's
+        stall. The plain simulator has nothing to do here."""
+
+    def _after_op(self, i: int) -> None:
+        """Hook: runs when op ``i`` ends, before its dead tensors are freed and its moves
+        issued. The plain simulator has nothing to do here."""
 
     def _open_window(self) -> None:
         self.window = self.engines.now
