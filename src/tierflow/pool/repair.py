@@ -6,18 +6,23 @@ instant where the live total is largest: the buffers above that hole were stacke
 things that are live *around* the instant, not at it. The repair move:
 
 1. take a buffer at the peak and the instant ``t`` in its lifetime where the most bytes
-   are live (the tightest one); the lowest free byte of the column at ``t`` is ``h``;
+   are live (the tightest one); ``h`` is the bottom of one of the free ranges of the
+   column at ``t`` (the highest :data:`HOLES` of them are tried, highest first: their
+   bands are the smallest);
 2. lift the band: every buffer whose offset is at least ``h`` (at any time) is removed,
    the rest stay fixed;
-3. the removed buffers live at ``t`` go back first, in their old offset order, each at
-   the lowest offset it fits (gravity): that column drops into the hole; the others go
-   back after them, largest first, each into the tightest gap that holds it (greedy's
-   rule), then, should that not help, in their old offset order at the lowest offset.
+3. the removed buffers live at ``t`` go back first, in their old offset order, so the
+   column drops into the hole; the others go back after them, either largest first
+   with every buffer of the move put into the tightest gap that holds it (greedy's
+   rule), or, should that not help, in their old offset order with every buffer put at
+   the lowest offset that holds it.
 
-A move is kept only when it lowers the peak, so the result is never worse than the input;
-the moves repeat until the peak reaches ``target``, a move fails, or ``max_moves`` moves
-ran. Nothing reads the clock here except against ``deadline``; with a deadline that does
-not bind the result depends only on the input.
+A move is kept when it lowers the number of buffers reaching above ``target`` (then the
+peak): dropping a column can leave one displaced buffer sticking out higher, which the
+next move works on. The lowest-peak placement seen is returned, so the result is never
+worse than the input. Moves repeat until the peak reaches ``target``, no move is kept,
+or ``max_moves`` moves ran. Nothing reads the clock except against ``deadline``; with a
+deadline that does not bind the result depends only on the input.
 """
 
 from __future__ import annotations
