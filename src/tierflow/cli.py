@@ -400,8 +400,10 @@ def _verdict(trace: Any, hw: Any, results: list[Any]) -> str:
         )
     if fitting:
         best = max(fitting, key=lambda r: r.ratio)
+        tied = [r.policy for r in fitting if r is not best and abs(r.time_s - best.time_s) <= 1e-9 * best.time_s]
         lines.append(
-            f"Best here: [bold]{best.policy}[/], predicted {fmt_seconds(best.time_s)} a step, "
+            f"Best here: [bold]{best.policy}[/]{' (tied with ' + ', '.join(tied) + ')' if tied else ''}, "
+            f"predicted {fmt_seconds(best.time_s)} a step, "
             f"{best.ratio:.2f} of the ideal {fmt_seconds(best.ideal_s)}, stalling {fmt_seconds(best.stall_s)}."
         )
         for r in fitting:
