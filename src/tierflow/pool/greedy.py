@@ -38,25 +38,30 @@ def best_fit(lower: np.ndarray, upper: np.ndarray, units: np.ndarray, order: np.
         lo, hi, sz = lower[i], upper[i], units[i]
         live = np.flatnonzero((p_lo[:k] < hi) & (p_hi[:k] > lo))
         off = 0
-        if live.size:
-            offs = p_off[live]
-            srt = np.argsort(offs, kind="stable")
-            starts = offs[srt]
-            tops = np.maximum.accumulate(p_end[live][srt])
-            # the gap before each placed block begins at the highest end below it
-            gap_lo = np.empty_like(starts)
-            gap_lo[0] = 0
-            gap_lo[1:] = tops[:-1]
-            room = starts - gap_lo
-            fits = np.flatnonzero(room >= sz)
-            if fits.size and sz > 0:
-                j = fits[np.argmin(room[fits])]
-                off = int(gap_lo[j])
-            else:
-                off = int(tops[-1]) if sz > 0 else 0
+        if live.size and sz > 0:
+            off = lowest_gap(p_off[live], p_end[live], sz, tight=True)
         offsets[i] = off
         p_lo[k], p_hi[k], p_off[k], p_end[k] = lo, hi, off, off + sz
     return offsets
+
+
+def lowest_gap(offs: np.ndarray, ends: np.ndarray, size: int, tight: bool) -> int:
+    """Where a block of ``size`` goes among blocks ``[offs, ends)`` that are live with it:
+    the tightest gap that holds it (``tight``) or the lowest one, else on top of them all.
+    """
+    srt = np.argsort(offs, kind="stable")
+    starts = offs[srt]
+    tops = np.maximum.accumulate(ends[srt])
+    # the gap before each placed block begins at the highest end below it
+    gap_lo = np.empty_like(starts)
+    gap_lo[0] = 0
+    gap_lo[1:] = tops[:-1]
+    room = starts - gap_lo
+    fits = np.flatnonzero(room >= size)
+    if not fits.size:
+        return int(tops[-1])
+    j = fits[np.argmin(room[fits])] if tight else fits[0]
+    return int(gap_lo[j])
 
 
 def solve_greedy(problem: Problem, order: np.ndarray | None = None) -> Solution:

@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from .greedy import lowest_gap
+
 # holes of the column a move tries lifting the band above, highest first
 HOLES = 4
 
@@ -65,20 +67,7 @@ def place(
         o = 0
         live = np.flatnonzero((p_lo[:k] < hi) & (p_hi[:k] > lo) & (p_end[:k] > p_off[:k]))
         if live.size and sz > 0:
-            offs = p_off[live]
-            srt = np.argsort(offs, kind="stable")
-            starts = offs[srt]
-            tops = np.maximum.accumulate(p_end[live][srt])
-            gap_lo = np.empty_like(starts)
-            gap_lo[0] = 0
-            gap_lo[1:] = tops[:-1]
-            room = starts - gap_lo
-            fits = np.flatnonzero(room >= sz)
-            if fits.size:
-                j = fits[np.argmin(room[fits])] if tight else fits[0]
-                o = int(gap_lo[j])
-            else:
-                o = int(tops[-1])
+            o = lowest_gap(p_off[live], p_end[live], sz, tight)
         off[i] = o
         p_lo[k], p_hi[k], p_off[k], p_end[k] = lo, hi, o, o + sz
         k += 1
