@@ -26,7 +26,7 @@ _LAZY = {
     "DEFAULT_HARDWARE": ".recorder",
     "capture": ".recorder",
     "summarize": ".summary",
-    "zoo_trace": ".zoo_trace",
+    "zoo_trace": ".from_zoo",
 }
 
 __all__ = ["DEFAULT_HARDWARE", "capture", "summarize", "zoo_trace"]

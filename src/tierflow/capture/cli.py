@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
 
 def _capture(args: argparse.Namespace) -> int:
     from . import zoo
-    from .zoo_trace import zoo_trace
+    from .from_zoo import zoo_trace
 
     if args.list:
         return _list(args)

@@ -22,9 +22,9 @@ _LAZY = {
     "RunStats": ".executor",
     "offload": ".executor",
     "roundtrip_plan": ".plans",
-    "TrainResult": ".train",
-    "demo_run": ".train",
-    "train": ".train",
+    "TrainResult": ".training",
+    "demo_run": ".training",
+    "train": ".training",
 }
 
 __all__ = sorted(_LAZY)

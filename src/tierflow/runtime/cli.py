@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from ..errors import TierflowError
-    from .train import train
+    from .training import train
 
     if args.steps < 1:
         raise TierflowError(f"--steps must be >= 1, got {args.steps}")
