@@ -122,6 +122,9 @@ class RunStats:
             (a tensor the runtime cannot identify or move, or already where asked).
         unplanned_evictions: evictions the budget forced beyond the plan.
         tier_fallbacks: moves sent to host because the plan's tier is missing or full.
+        planned_slots: evictions placed at the offset the pool planner laid out for
+            them in the host pool or SSD file (the rest took the first free slot: a move
+            the plan did not make, or a slot still held by a late tensor).
         stale_plans: iterations that departed from the trace; replans: plans made.
         stale_reasons: the first few departures, in words.
         plan_error: why the current plan failed :func:`tierflow.plan.validate`, if it did
@@ -153,6 +156,7 @@ class RunStats:
     skipped_moves: int = 0
     unplanned_evictions: int = 0
     tier_fallbacks: int = 0
+    planned_slots: int = 0
     stale_plans: int = 0
     replans: int = 0
     stale_reasons: list[str] = field(default_factory=list)
@@ -296,6 +300,7 @@ class Run:
         self.stats = RunStats(budget_bytes=self.budget)
         self.trace: Trace | None = None
         self.prediction: Any = None  # SimResult of the plan being followed
+        self._layout: dict[tuple[int, int, str], int] = {}  # planned pool/file offsets
         self.plan: Plan | None = None
         self.hardware: Hardware | None = None
         self._open = False
@@ -649,7 +654,8 @@ class Run:
                 self.stats.skipped_moves += 1
                 continue
             if m.kind == "evict":
-                done = self._evict(e, self._tier_of(m.tier))
+                rt = self._tier_of(m.tier)
+                done = self._evict(e, rt, self._layout.get((m.tensor, op + 1, rt)))
             elif e.state == RESIDENT or e in self._pending:
                 done = False
             elif hints:  # a UVM-style prefetch hint makes room, like a fault
@@ -676,6 +682,35 @@ class Run:
             self._pending.popleft()
             if self._prefetch(e):
                 self.stats.planned_moves += 1
+
+    def _plan_layout(self, trace: Trace, plan: Any, hw: Any) -> dict[tuple[int, int, str], int]:
+        """Offsets in the host pool and the SSD file for every stay a planned plan puts
+        there, laid out ahead of time by the pool planner (``tierflow.pool``, greedy: it
+        is fast and deterministic) so that the pool's layout follows the plan's
+        lifetimes instead of the order moves happen to arrive in. Keyed by (tensor,
+        first op of the stay, runtime tier). A reactive plan has no planned residency."""
+        if plan.reactive:
+            return {}
+        from ..pool import from_trace, solve
+
+        arenas = {"host": self._host.arena}
+        if self._ssd is not None:
+            arenas["ssd"] = self._ssd.arena
+        layout: dict[tuple[int, int, str], int] = {}
+        for tier in hw.offload_tiers:
+            rt = self._tier_of(tier)
+            if rt not in arenas:
+                continue
+            try:
+                problem = from_trace(trace, plan, hw, tier=tier, alignment=arenas[rt].align)
+            except TierflowError:
+                continue  # a plan the walk rejects: its moves take first-fit slots
+            if not problem.buffers:
+                continue
+            sol = solve(problem, "greedy")
+            for b, off in zip(problem.buffers, sol.offsets.tolist()):
+                layout[(int(b.id.split(".")[0]), b.lower, rt)] = int(off)
+        return layout
 
     def _tier_of(self, name: str | None) -> str:
         """The runtime tier (``host`` or ``ssd``) for a plan's tier name."""
@@ -717,7 +752,7 @@ class Run:
 
         return sorted(cands, key=next_use, reverse=True)
 
-    def _evict(self, e: _Entry, tier: str) -> bool:
+    def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
         st = e.ref()
         if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
             return False
@@ -726,7 +761,11 @@ class Run:
             tier = "host"
             self.stats.tier_fallbacks += 1
         if tier == "host":
-            off = self._host.arena.alloc(n)
+            off = self._host.arena.alloc_at(slot, n) if slot is not None else None
+            if off is not None:
+                self.stats.planned_slots += 1
+            else:
+                off = self._host.arena.alloc(n)
             if off is None:
                 self._reap(wait=True)
                 off = self._host.arena.alloc(n)
@@ -747,7 +786,9 @@ class Run:
             e.slot = off
         else:
             assert self._ssd is not None
-            foff = self._ssd.alloc_file(n, e.label)
+            foff = self._ssd.alloc_file(n, e.label, at=slot)
+            if slot is not None and foff == slot:
+                self.stats.planned_slots += 1
             boff = self._bounce_alloc(n)
             ev = self._copier.copy(self._ssd.bounce_view(boff, n), src, src)
             before = (lambda ev=ev: ev.synchronize()) if ev is not None else None
@@ -1068,6 +1109,7 @@ class Run:
         self.stats.policy = plan.policy
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
+        self._layout = self._plan_layout(trace, plan, hw)
         self._trace_sigs = self._trace_sigs_next
         self._trace_keys = [t.key for t in trace.tensors]
         self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}

@@ -81,6 +81,26 @@ class Arena:
                 return off
         return None
 
+    def alloc_at(self, off: int, nbytes: int) -> int | None:
+        """Take ``[off, off + nbytes)`` (rounded up) if it is free: the slot a planned
+        layout chose. None (and nothing taken) when any of it is in use or unaligned."""
+        n = _round_up(max(int(nbytes), 1), self.align)
+        if off % self.align or off < 0:
+            return None
+        i = bisect.bisect_right(self._starts, off) - 1
+        if i < 0 or off + n > self._starts[i] + self._sizes[i]:
+            return None
+        start, size = self._starts[i], self._sizes[i]
+        del self._starts[i], self._sizes[i]
+        # what is left of the free block on either side stays free
+        for lo, hi in ((off + n, start + size), (start, off)):
+            if hi > lo:
+                self._starts.insert(i, lo)
+                self._sizes.insert(i, hi - lo)
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return off
+
     def release(self, off: int, nbytes: int) -> None:
         n = _round_up(max(int(nbytes), 1), self.align)
         i = bisect.bisect_left(self._starts, off)
@@ -249,8 +269,12 @@ class SSDStore:
     def bounce_view(self, off: int, nbytes: int) -> torch.Tensor:
         return self.bounce_buffer[off : off + nbytes]
 
-    def alloc_file(self, nbytes: int, what: str) -> int:
-        off = self.arena.alloc(nbytes)
+    def alloc_file(self, nbytes: int, what: str, at: int | None = None) -> int:
+        """A slot of the file: at ``at`` (a planned layout's offset) when that is free,
+        else the first that fits."""
+        off = self.arena.alloc_at(at, nbytes) if at is not None else None
+        if off is None:
+            off = self.arena.alloc(nbytes)
         if off is None:
             raise SSDError(
                 f"SSD tier full: {what} needs {fmt_bytes(nbytes)}, {fmt_bytes(self.arena.free)} free of "
