@@ -66,9 +66,10 @@ def test_demo_runs_and_explains(capsys):
 
 def test_demo_json_covers_capture_plan_and_training(capsys):
     argv = ["demo", "--model", "mlp-tiny", "--batch", "64", "--hardware", "g10-a100",
-            "--policies", "ideal,lru", "--train-model", "mlp-tiny", "--steps", "2", "--json"]
+            "--policies", "ideal,lru", "--train-model", "gpt-tiny", "--steps", "3", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in out["results"]] == ["ideal", "lru"]
     assert out["trace"]["ops"] > 0
     assert out["train"]["parity"] is True
+    assert out["train"]["moved_bytes"]["host"] > 0 and out["train"]["moved_bytes"]["ssd"] > 0

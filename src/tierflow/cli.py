@@ -329,7 +329,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not quiet:
             con.print(
                 f"[bold]3. train[/]: {args.train_model} for {args.steps} steps on this CPU at half its "
-                "unconstrained peak, moving tensors to host memory and an SSD file, checked against plain PyTorch."
+                "unconstrained peak, moving tensors to a 1 MiB host pool and an SSD file, checked against "
+                "plain PyTorch."
             )
         run = demo_run(model=args.train_model, steps=args.steps, console=None if quiet else con)
     if quiet:

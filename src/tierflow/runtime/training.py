@@ -175,10 +175,12 @@ def train(
 
 
 def demo_run(model: str = "gpt-tiny", steps: int = 6, ssd_dir: str | None = None, budget: str = "50%",
-             policy: str = "tierflow", console: Any = None) -> TrainResult:
+             policy: str = "tierflow", console: Any = None, host_bytes: int | str = "1MiB") -> TrainResult:
     """The runtime's part of ``make demo``: train ``model`` a few steps in CPU mode under
     a budget, with the host tier and (given ``ssd_dir``, else a temporary directory) the
-    SSD tier, check parity with plain PyTorch, and print predicted vs measured.
+    SSD tier, check parity with plain PyTorch, and print predicted vs measured. The host
+    pool is kept small (``host_bytes``) so that the plan also uses the SSD file, as a
+    model far larger than its host memory would.
 
     Returns the :class:`TrainResult`; prints through ``console`` (a rich Console) when given.
     """
@@ -186,7 +188,7 @@ def demo_run(model: str = "gpt-tiny", steps: int = 6, ssd_dir: str | None = None
 
     with tempfile.TemporaryDirectory(prefix="tierflow-demo-") as tmp:
         res = train(model, budget=budget, steps=steps, device="cpu", policy=policy,
-                    ssd_dir=ssd_dir or tmp, check_parity=True)
+                    ssd_dir=ssd_dir or tmp, check_parity=True, host_bytes=host_bytes)
     if console is not None:
         s = res.stats
         console.print(f"[bold]runtime[/bold]: {model} on cpu, {steps} steps, policy {s.policy}, "
