@@ -122,12 +122,10 @@ class _Timeline:
             return self.rem[rows[0], idx]
         return self.rem[np.ix_(rows, idx)].min(axis=0)
 
-    def forward(self, key, start: int, stop: int, nbytes: float):
-        """Pack ``nbytes`` into slots start..stop-1 (unrolled) as early as possible.
-        Returns (last slot used, takes) or None if it does not fit."""
-        if stop <= start:
-            return None
-        idx = np.arange(start, stop) % self.n
+    def _fill(self, key, idx: np.ndarray, nbytes: float):
+        """Take ``nbytes`` from slots ``idx`` in that order, each up to what it has
+        left. Returns (position of the last slot used, booking) or None if they are
+        too few."""
         avail = self._avail(key, idx)
         cum = np.cumsum(avail)
         pos = int(np.searchsorted(cum, nbytes - 1e-6))
@@ -135,23 +133,29 @@ class _Timeline:
             return None
         takes = avail[: pos + 1].copy()
         takes[-1] -= cum[pos] - nbytes
-        first = int(np.argmax(takes > 0))
-        return start + pos, start + first, (key, idx[: pos + 1], takes)
+        return pos, (key, idx[: pos + 1], takes)
+
+    def forward(self, key, start: int, stop: int, nbytes: float):
+        """Pack ``nbytes`` into slots start..stop-1 (unrolled) as early as possible.
+        Returns (last slot used, first slot used, booking) or None if it does not fit."""
+        if stop <= start:
+            return None
+        got = self._fill(key, np.arange(start, stop) % self.n, nbytes)
+        if got is None:
+            return None
+        pos, booking = got
+        return start + pos, start + int(np.argmax(booking[2] > 0)), booking
 
     def backward(self, key, stop: int, start: int, nbytes: float):
         """Pack ``nbytes`` into slots stop-1 down to start (unrolled) as late as possible.
-        Returns (first slot used, takes) or None."""
+        Returns (first slot used, booking) or None."""
         if stop <= start:
             return None
-        idx = np.arange(stop - 1, start - 1, -1) % self.n
-        avail = self._avail(key, idx)
-        cum = np.cumsum(avail)
-        pos = int(np.searchsorted(cum, nbytes - 1e-6))
-        if pos >= len(cum):
+        got = self._fill(key, np.arange(stop - 1, start - 1, -1) % self.n, nbytes)
+        if got is None:
             return None
-        takes = avail[: pos + 1].copy()
-        takes[-1] -= cum[pos] - nbytes
-        return stop - 1 - pos, (key, idx[: pos + 1], takes)
+        pos, booking = got
+        return stop - 1 - pos, booking
 
     def commit(self, booking) -> None:
         key, idx, takes = booking
