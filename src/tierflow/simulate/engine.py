@@ -71,6 +71,9 @@ class CopyEngines:
         self.window_start = math.inf  # traffic is counted from here on
         self.traffic: dict[str, float] = {link.name: 0.0 for link in hw.links}
         self.done: list[Flow] = []
+        # Max-min rates depend only on the resources of the moving flows, in order (see
+        # _maxmin), and the same few routes recur all the time: remember each answer.
+        self._rates_memo: dict[tuple[tuple[int, ...], ...], tuple[float, ...]] = {}
 
     def _resource(self, name: str, cap: float) -> None:
         self._res_index[name] = len(self._cap)
@@ -117,16 +120,20 @@ class CopyEngines:
         f.extra["queue"] = key
         q = self._queues.setdefault(key, deque())
         q.append(f)
-        if len(q) == 1:
-            self._activate(f)
+        if len(q) == 1 and self._activate(f):
+            # a flow that first waits out a latency moves nothing yet: the rates of the
+            # others stay as they are, so sharing is redone only when it starts moving
             self._reshare()
         return f
 
-    def _activate(self, f: Flow) -> None:
+    def _activate(self, f: Flow) -> bool:
+        """Put ``f`` at the head of its engine; True if its bytes start moving now."""
         f.ready_s = self.now + f.latency_s
         self.active.append(f)
         if f.latency_s <= 0:
             f.moving, f.start_s = True, self.now
+            return True
+        return False
 
     # -- time ---------------------------------------------------------------------------
     def busy(self) -> bool:
@@ -134,43 +141,62 @@ class CopyEngines:
 
     def next_event(self) -> float:
         t = math.inf
+        now = self.now
         for f in self.active:
             if not f.moving:
-                t = min(t, f.ready_s)
+                if f.ready_s < t:
+                    t = f.ready_s
             elif f.rate > 0:
-                t = min(t, self.now + f.remaining / f.rate)
+                e = now + f.remaining / f.rate
+                if e < t:
+                    t = e
         return t
 
     def _advance(self, t: float) -> None:
-        dt = t - self.now
+        now = self.now
+        dt = t - now
         if dt > 0:
-            counted = max(0.0, t - max(self.now, self.window_start))
+            counted = max(0.0, t - max(now, self.window_start))
+            traffic = self.traffic
             for f in self.active:
-                if f.moving and f.rate > 0:
-                    f.remaining -= f.rate * dt
+                rate = f.rate
+                if rate > 0 and f.moving:
+                    f.remaining -= rate * dt
                     if counted > 0:
-                        moved = f.rate * counted
+                        moved = rate * counted
                         for name in f.links:
-                            self.traffic[name] += moved
-        self.now = max(self.now, t)
+                            traffic[name] += moved
+            self.now = t
+        # (dt <= 0: the clock never goes back)
 
-    def step(self) -> None:
-        """Advance to the next event and process everything that happens then."""
-        t = self.next_event()
+    def step(self, t: float | None = None) -> None:
+        """Advance to the next event and process everything that happens then.
+
+        ``t`` is :meth:`next_event` when the caller has just computed it."""
+        if t is None:
+            t = self.next_event()
         if t == math.inf:
             raise RuntimeError("copy engines idle: nothing to wait for")
         self._advance(t)
+        now = self.now
+        close = 1e-12 * max(1.0, now)
         finished = []
+        started = False
         for f in self.active:
-            if not f.moving and f.ready_s <= self.now:
-                f.moving, f.start_s = True, self.now
-                if f.remaining <= _EPS_BYTES:
-                    finished.append(f)
-            elif f.moving and (f.remaining <= _EPS_BYTES or (f.rate > 0 and f.remaining / f.rate <= 1e-12 * max(1.0, self.now))):
+            if not f.moving:
+                if f.ready_s <= now:
+                    f.moving, f.start_s = True, now
+                    started = True
+                    if f.remaining <= _EPS_BYTES:
+                        finished.append(f)
+            elif f.remaining <= _EPS_BYTES or (f.rate > 0 and f.remaining / f.rate <= close):
                 finished.append(f)
         for f in finished:
             self._finish(f)
-        self._reshare()
+        if finished or started:
+            # nothing started or ended (an event that rounding left a hair short): the
+            # rates are those of the same moving flows, so there is nothing to redo
+            self._reshare()
         for f in finished:
             if f.on_done is not None:
                 f.on_done(f)
@@ -189,36 +215,62 @@ class CopyEngines:
 
     def run_until(self, t: float) -> None:
         """Process every event up to time ``t``, then move the clock to ``t``."""
-        while self.active and self.next_event() <= t:
-            self.step()
+        while self.active:
+            e = self.next_event()
+            if e > t:
+                break
+            self.step(e)
         self._advance(t)
 
     # -- bandwidth sharing --------------------------------------------------------------
     def _reshare(self) -> None:
-        """Max-min fair rates by progressive filling over the shared resources."""
-        moving = [f for f in self.active if f.moving]
-        for f in self.active:
+        """Give every active flow its max-min fair rate (0 until it moves)."""
+        active = self.active
+        moving = [f for f in active if f.moving]
+        for f in active:
             f.rate = 0.0
         if not moving:
             return
-        cap = {r: self._cap[r] for f in moving for r in f.resources}
-        users: dict[int, list[Flow]] = {}
-        for f in moving:
-            for r in f.resources:
-                users.setdefault(r, []).append(f)
-        unfixed = set(moving)
+        key = tuple(f.resources for f in moving)
+        rates = self._rates_memo.get(key)
+        if rates is None:
+            if len(self._rates_memo) >= 65536:
+                self._rates_memo.clear()  # bound the memory of a pathological trace
+            rates = self._rates_memo[key] = self._maxmin(key)
+        for f, r in zip(moving, rates):
+            f.rate = r
+
+    def _maxmin(self, routes: tuple[tuple[int, ...], ...]) -> tuple[float, ...]:
+        """Max-min fair rates, by progressive filling, of flows crossing ``routes``.
+
+        The answer (every float of it) depends only on ``routes`` in this order: ties
+        between equally tight resources go to the first one met, flow by flow."""
+        rate = [0.0] * len(routes)
+        if len(routes) == 1:
+            # one flow: the tightest of its resources (the filling below, in one round;
+            # it fixes nothing when every resource is unbounded)
+            tight = min(self._cap[r] for r in routes[0])
+            rate[0] = tight if tight < math.inf else 0.0
+            return tuple(rate)
+        cap = {r: self._cap[r] for res in routes for r in res}
+        users: dict[int, list[int]] = {}
+        for i, res in enumerate(routes):
+            for r in res:
+                users.setdefault(r, []).append(i)
+        unfixed = set(range(len(routes)))
         while unfixed:
             best_r, best_share = None, math.inf
             for r, fs in users.items():
-                n = sum(1 for f in fs if f in unfixed)
+                n = sum(1 for i in fs if i in unfixed)
                 if n:
                     share = cap[r] / n
                     if share < best_share:
                         best_r, best_share = r, share
             if best_r is None:
                 break
-            for f in [f for f in users[best_r] if f in unfixed]:
-                f.rate = best_share
-                unfixed.discard(f)
-                for r in f.resources:
+            for i in [i for i in users[best_r] if i in unfixed]:
+                rate[i] = best_share
+                unfixed.discard(i)
+                for r in routes[i]:
                     cap[r] = max(0.0, cap[r] - best_share)
+        return tuple(rate)
