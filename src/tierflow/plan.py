@@ -289,7 +289,9 @@ def _tensor_walk(policy, t, moves, uses, lo, hi, state, device):
     spans: list[tuple[int, int, str]] = []
     span_start, span_tier = lo, (tier if kind == _AWAY else device)
     i = 0
-    for op in range(lo, hi + 1):
+    # only ops that use the tensor or move it change anything: visit just those, in
+    # order (walking every op of a long trace for every tensor is slow)
+    for op in sorted({u for u in uses if lo <= u <= hi} | {m.after_op for m in moves if lo <= m.after_op <= hi}):
         if op in uses:
             if kind == _AWAY:
                 raise PlanError(f"{where} is used by op {op} while planned to be on {tier}, with no prefetch before it")
