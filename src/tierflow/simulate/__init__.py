@@ -1,6 +1,7 @@
 """Simulate a plan on a hardware model: predicted step time, stalls, traffic, memory."""
 
-from .result import SimResult, TransferRecord
+from .pooled import POOL_CHOICES, simulate_pooled
+from .result import PoolAccount, SimResult, TransferRecord
 from .simulator import simulate
 
-__all__ = ["SimResult", "TransferRecord", "simulate"]
+__all__ = ["POOL_CHOICES", "PoolAccount", "SimResult", "TransferRecord", "simulate", "simulate_pooled"]

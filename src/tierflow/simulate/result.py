@@ -24,6 +24,82 @@ class TransferRecord(NamedTuple):
 
 
 @dataclass
+class PoolAccount:
+    """The device tier laid out as one arena by the pool planner
+    (:func:`tierflow.simulate.pooled.simulate_pooled`; semantics in that module).
+
+    Attributes:
+        solver: the pool solver (``greedy`` or ``best``).
+        live_peak_bytes: the most device bytes held at once in the last round (the
+            simulator's device peak: what a perfect allocator needs).
+        lower_bound_bytes: the pool problem's lower bound: the live peak plus what
+            laying out tensors held across the cut of the repeating iteration as one
+            block each adds (``tierflow.simulate.pooled``).
+        arena_peak_bytes: the arena the layout needs.
+        budget_bytes: what the arena must fit (the plan's budget).
+        effective_budget_bytes: the budget the last round was simulated with.
+        rounds: simulations run (1 = the arena fitted at once).
+        buffers: blocks laid out in the last round.
+        spanning: tensors held across that cut, laid out over the whole iteration.
+        fits: the last round's arena fits the budget.
+        shrink: how a lower budget was simulated: ``same plan`` or ``replan``.
+        optimal: the solver proved its last layout minimal.
+        solve_s: seconds the solver took, all rounds.
+        history: per round, the budget, live peak, arena peak and step time.
+    """
+
+    solver: str
+    live_peak_bytes: int
+    lower_bound_bytes: int
+    arena_peak_bytes: int
+    budget_bytes: float
+    effective_budget_bytes: float
+    rounds: int
+    buffers: int
+    spanning: int
+    fits: bool
+    shrink: str
+    optimal: bool = False
+    solve_s: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Arena bytes beyond the live peak: what the static layout costs over byte counting."""
+        return self.arena_peak_bytes - self.live_peak_bytes
+
+    @property
+    def fragmentation_ratio(self) -> float:
+        """Fragmentation over the live peak (0.0 = the arena is the live peak)."""
+        return self.fragmentation_bytes / self.live_peak_bytes if self.live_peak_bytes else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        def num(v: float) -> int | None:
+            return int(v) if math.isfinite(v) else None
+
+        return {
+            "solver": self.solver,
+            "live_peak_bytes": self.live_peak_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "arena_peak_bytes": self.arena_peak_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "fragmentation_ratio": self.fragmentation_ratio,
+            "budget_bytes": num(self.budget_bytes),
+            "effective_budget_bytes": num(self.effective_budget_bytes),
+            "rounds": self.rounds,
+            "buffers": self.buffers,
+            "spanning": self.spanning,
+            "fits": self.fits,
+            "shrink": self.shrink,
+            "optimal": self.optimal,
+            "solve_s": self.solve_s,
+            "history": [
+                {k: (num(v) if k == "budget_bytes" else v) for k, v in h.items()} for h in self.history
+            ],
+        }
+
+
+@dataclass
 class SimResult:
     """The steady-state (second) iteration of a simulated plan.
 
@@ -38,6 +114,8 @@ class SimResult:
         op_start_s, op_end_s, op_stall_s: per op, seconds from the iteration start.
         transfers: every transfer issued in the iteration.
         memory: per tier, a step curve ``(times_s, bytes)``.
+        pool: with a planned pool (``simulate_pooled``), how the device arena fared;
+            ``None`` for plain byte counting.
     """
 
     policy: str
@@ -60,6 +138,7 @@ class SimResult:
     transfers: list[TransferRecord] = field(default_factory=list)
     memory: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    pool: PoolAccount | None = None
 
     @classmethod
     def unplanned(cls, policy: str, trace: Any, hardware: Any, reason: str) -> SimResult:
@@ -85,8 +164,8 @@ class SimResult:
         return self.ideal_s / self.time_s
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form the CLI prints (``--json``)."""
-        return {
+        """The JSON form the CLI prints (``--json``); ``pool`` only with a planned pool."""
+        out = {
             "policy": self.policy,
             "time_s": self.time_s,
             "ideal_s": self.ideal_s,
@@ -99,3 +178,6 @@ class SimResult:
             "faults": self.faults,
             "error": self.error,
         }
+        if self.pool is not None:
+            out["pool"] = self.pool.to_dict()
+        return out
