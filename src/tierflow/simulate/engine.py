@@ -107,7 +107,8 @@ class CopyEngines:
         on_done: Callable[[Flow], None] | None,
         extra_latency: float = 0.0,
     ) -> Flow:
-        res, links, latency = self.route(src, dst)
+        route = self._routes.get((src, dst))
+        res, links, latency = route if route is not None else self.route(src, dst)
         if not res:
             raise ValueError(f"no route from {src} to {dst} on {self.hw.name}")
         f = Flow(tensor, nbytes, src, dst, kind, self.now, latency + extra_latency, res, links, on_done)
@@ -225,13 +226,12 @@ class CopyEngines:
     # -- bandwidth sharing --------------------------------------------------------------
     def _reshare(self) -> None:
         """Give every active flow its max-min fair rate (0 until it moves)."""
-        active = self.active
-        moving = [f for f in active if f.moving]
-        for f in active:
-            f.rate = 0.0
+        # A flow that is not moving has rate 0 already: it got 0.0 when created and
+        # only moving flows are given rates; once moving it moves until it is done.
+        moving = [f for f in self.active if f.moving]
         if not moving:
             return
-        key = tuple(f.resources for f in moving)
+        key = tuple([f.resources for f in moving])
         rates = self._rates_memo.get(key)
         if rates is None:
             if len(self._rates_memo) >= 65536:

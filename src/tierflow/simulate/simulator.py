@@ -39,6 +39,8 @@ UNBORN, RESIDENT, AWAY, INCOMING, OUTGOING = range(5)
 
 ProgressFn = Callable[[int, int], None]
 
+_NOTHING: frozenset[int] = frozenset()
+
 
 def simulate(
     trace: Trace,
@@ -140,9 +142,13 @@ class _Simulator:
         return self.cap[self.dev] - self.used[self.dev]
 
     def _dest(self, nbytes: int, preferred: str | None = None) -> str | None:
-        order = ([preferred] if preferred else []) + [t for t in self.offload if t != preferred]
-        for tier in order:
-            if tier in self.offload and self.used[tier] + nbytes <= self.cap[tier]:
+        """The first offload tier with room: ``preferred`` if it is one, then the others
+        in order."""
+        used, cap = self.used, self.cap
+        if preferred and preferred in self.offload and used[preferred] + nbytes <= cap[preferred]:
+            return preferred
+        for tier in self.offload:
+            if tier != preferred and used[tier] + nbytes <= cap[tier]:
                 return tier
         return None
 
@@ -186,11 +192,12 @@ class _Simulator:
         if short <= 0:
             return True
         victims = []
+        pinned, held, size = self.pinned, self.held, self.size
         for t in self.lru:
-            if t in self.pinned or t in protect or t in self.held:
+            if t in pinned or t in protect or t in held:
                 continue
             victims.append(t)
-            short -= self.size[t]
+            short -= size[t]
             if short <= 0:
                 break
         for t in victims:
@@ -206,7 +213,7 @@ class _Simulator:
         """Block the compute stream until ``need`` device bytes are free (demand path)."""
         self.demand_waiting = True
         while self._room() < need:
-            self._make_room(need, frozenset())
+            self._make_room(need, _NOTHING)
             if self._room() >= need:
                 break
             if not self.engines.busy():
@@ -310,9 +317,10 @@ class _Simulator:
                     self._die(t)
                 for m in self.moves.get(i, ()):
                     self._issue(m, i)
-                if self.headroom:
+                if self.headroom and self.headroom - self._room() - self.outgoing > 0:
                     # a pager keeps some memory free by evicting in the background, so
-                    # that faults rarely wait for an eviction (as UVM drivers do)
+                    # that faults rarely wait for an eviction (as UVM drivers do); the
+                    # test is _make_room's own, done first to skip building the set
                     self._make_room(self.headroom, frozenset(self.op_tensors[(i + 1) % n_ops]))
                 if progress is not None and (it * n_ops + i) % every == 0:
                     progress(it * n_ops + i, total)
@@ -341,6 +349,8 @@ class _Simulator:
         while True:
             for t in needed:
                 s = state[t]
+                if s == RESIDENT:
+                    continue
                 if s == UNBORN:
                     self._wait_room(self.size[t])
                     state[t] = RESIDENT
@@ -363,11 +373,18 @@ class _Simulator:
                         self._fetch(t, "fault")
             # Waiting for room lets time pass: tensors scanned earlier may have arrived,
             # or finished leaving and now need a fault. Re-scan before waiting.
-            states = [state[t] for t in needed]
-            if all(s == RESIDENT for s in states):
-                break
-            if AWAY in states or UNBORN in states:
+            rescan = in_flight = False
+            for t in needed:
+                s = state[t]
+                if s != RESIDENT:
+                    if s == AWAY or s == UNBORN:
+                        rescan = True
+                        break
+                    in_flight = True
+            if rescan:
                 continue
+            if not in_flight:
+                break
             eng.step()
         self.demand_waiting = False
         self._pump()
