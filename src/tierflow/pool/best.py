@@ -15,7 +15,12 @@
 3. Time left over (the search stopped early or gave up, as it does on tens of
    thousands of buffers) goes to :func:`.repair.repair`, band-lifting moves on the
    incumbent that are kept only when they lower its peak.
-4. The best placement found is returned; it is exact (``optimal``) when it meets the
+4. Time still left goes to :func:`.lns.improve` (when OR-Tools is installed): CP-SAT
+   re-places the buffers that start or end in a time window around a buffer at the
+   peak, everything else fixed. It starts from the incumbent and from the repair's
+   placement with the fewest buffers above the bound (which may peak higher: one
+   buffer the band lift displaced sticks out, and a window around it settles it).
+5. The best placement found is returned; it is exact (``optimal``) when it meets the
    bound or the search proved every capacity below it infeasible.
 
 On tens of thousands of buffers the search's stack outgrows :data:`.search.MAX_POOL`
@@ -37,7 +42,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import repair, search
+from . import lns, repair, search
 from .greedy import best_fit, size_order
 from .problem import Problem, Solution, lower_bound, peak_of
 
@@ -183,6 +188,24 @@ def solve_best(
         meta["repair"] = {"moves": facts["moves"], "peaks": [x * gcd * problem.alignment for x in facts["peaks"]]}
         if cost(off) < best_cost:
             best_off, best_cost, best_from = off, cost(off), "repair"
+        fewest = facts["fewest_over"]
+    else:
+        fewest = None
+
+    # 4. CP-SAT windows (module lns) from the incumbent and from the repair's start
+    if best_cost > lb and n and time.perf_counter() < deadline and lns.available():
+        starts = [("lns", best_off)]
+        if fewest is not None and not np.array_equal(fewest, best_off):
+            starts.append(("repair+lns", fewest))
+        meta["lns"] = []
+        for label, start in starts:
+            if best_cost <= lb or time.perf_counter() >= deadline:
+                break
+            off, facts = lns.improve(lower, upper, units, start, lb, deadline=deadline, seed=seed)
+            meta["lns"].append({"start": label, "steps": len(facts["steps"]), "peak": cost(off) * gcd * problem.alignment})
+            if cost(off) < best_cost:
+                best_off, best_cost, best_from = off, cost(off), label
+        report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
 
     offsets = np.zeros(len(problem), dtype=np.int64)
     offsets[keep] = best_off * gcd * problem.alignment

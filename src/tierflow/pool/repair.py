@@ -117,11 +117,14 @@ def repair(
 
     Returns:
         (offsets, facts): a valid placement whose peak is at most the input's, and a dict
-        with the moves tried and the peaks reached.
+        with the moves tried, the peaks reached and, under ``"fewest_over"``, the
+        placement with the fewest buffers above ``target`` (it may peak higher than
+        the input, with one displaced buffer sticking out: a start for
+        :mod:`.lns`, which frees the buffers around that one).
     """
     off = np.asarray(offsets, dtype=np.int64).copy()
     n = len(units)
-    facts: dict = {"moves": 0, "peaks": []}
+    facts: dict = {"moves": 0, "peaks": [], "fewest_over": off}
     if not n:
         return off, facts
     peak = int((off + units).max())
@@ -135,6 +138,8 @@ def repair(
         t = _tightest_instant(lower, upper, units, b)
         improved = False
         for fixed, order, tight in _moves(lower, upper, units, off, t):
+            if time.perf_counter() >= deadline:  # one placement takes seconds on 30k buffers
+                break
             new = place(lower, upper, units, off, fixed, order, tight)
             new_score = _score(new, units, target)
             if new_score < score:
@@ -146,6 +151,7 @@ def repair(
             best, best_peak = off, peak
         if not improved:
             break
+    facts["fewest_over"] = off
     return best, facts
 
 
