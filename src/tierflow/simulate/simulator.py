@@ -123,18 +123,19 @@ class _Simulator:
         self.start_tier = start_tier
         self.headroom = plan.budget_bytes * plan.headroom if plan.reactive else 0.0
         self.moves = plan.by_op
+        persistent = trace.persistent.tolist()
         dies: dict[int, list[int]] = {}
-        for t in range(n if plan.frees_dead else 0):
-            if not trace.tensors[t].persistent:
-                dies.setdefault(int(trace.death[t]), []).append(t)
+        if plan.frees_dead:
+            for t, op in enumerate(trace.death.tolist()):
+                if not persistent[t]:
+                    dies.setdefault(op, []).append(t)
         self.dies = dies
         # Without liveness, a tensor is not freed but its next birth (first use, as an
         # output only) overwrites it, so the dead contents are never fetched back.
         self.overwrites: dict[int, set[int]] = {}
         if not plan.frees_dead and not plan.refetch_dead:
-            for t in range(n):
-                if not trace.tensors[t].persistent:
-                    b = int(trace.first_use[t])
+            for t, b in enumerate(trace.first_use.tolist()):
+                if not persistent[t]:
                     if t not in trace.ops[b].inputs:
                         self.overwrites.setdefault(b, set()).add(t)
         n_ops = trace.n_ops
