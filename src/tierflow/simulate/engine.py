@@ -157,7 +157,11 @@ class CopyEngines:
         now = self.now
         dt = t - now
         if dt > 0:
-            counted = max(0.0, t - max(now, self.window_start))
+            # max(0.0, t - max(now, window_start)), without two calls at every event
+            ws = self.window_start
+            counted = t - (ws if ws > now else now)
+            if not counted > 0.0:
+                counted = 0.0
             traffic = self.traffic
             for f in self.active:
                 rate = f.rate
@@ -180,7 +184,7 @@ class CopyEngines:
             raise RuntimeError("copy engines idle: nothing to wait for")
         self._advance(t)
         now = self.now
-        close = 1e-12 * max(1.0, now)
+        close = 1e-12 * (now if now > 1.0 else 1.0)  # 1e-12 * max(1.0, now)
         finished = []
         started = False
         for f in self.active:
