@@ -44,12 +44,15 @@ def _op_before(ends: np.ndarray, t: float) -> int:
 
 
 def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
-           kinds: frozenset[str] = frozenset({"late", "fault", "room"})) -> Plan | None:
+           kinds: frozenset[str] = frozenset({"late", "fault", "room", "wasted"}),
+           only: frozenset[int] | None = None) -> Plan | None:
     """One round of stall repairs (see the module docstring) of the given ``kinds``
     (``late`` prefetches, ``fault`` hints, ``room`` waits); None if there is nothing to
     change or the repaired plan does not validate."""
     stall = res.op_stall_s
     stalled = np.flatnonzero(stall > 1e-9)
+    if only is not None:
+        stalled = np.array(sorted(set(stalled.tolist()) & only), dtype=np.int64)
     if stalled.size == 0 or not res.transfers:
         return None
     starts, ends = res.op_start_s, res.op_end_s
@@ -76,9 +79,11 @@ def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
                         late[key] = (lateness, rec)
     changed = False
     added: list[Move] = []
+    if "wasted" in kinds:
+        moves, changed = _wasted_repairs(trace, res, moves, factor, only)
     if plan.reactive and "room" in kinds:
         added += _room_repairs(trace, plan, res, stalled, factor)
-        changed = bool(added)
+        changed = changed or bool(added)
     if not late and not changed:
         return None
     for (t, k), (lateness, rec) in sorted(late.items()):
@@ -122,6 +127,61 @@ def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
     except PlanError:
         return None
     return new
+
+
+def _wasted_repairs(trace: Trace, res, moves: list[Move], factor: float,
+                    only: frozenset[int] | None = None) -> tuple[list[Move], bool]:
+    """Delay **wasted prefetches**: a tensor prefetched, then evicted again (by a hint
+    or by the pager making room) before any op used it, then fetched back for that use.
+    Its prefetch is reissued after the op that saw the eviction, as late as the next
+    use allows: the op that ends ``factor`` times the transfer's measured duration
+    before the use starts. Planned evictions of the tensor inside the old window are
+    dropped (the tensor is away there now). Returns (moves, whether any changed)."""
+    starts, ends = res.op_start_s, res.op_end_s
+    pf_index: dict[tuple[int, int], int] = {}
+    for i, m in enumerate(moves):
+        if m.kind == "prefetch" and m.needed_by is not None:
+            pf_index[(m.tensor, m.needed_by)] = i
+    by_tensor: dict[int, list] = {}
+    for rec in res.transfers:  # sorted by issue time
+        by_tensor.setdefault(int(rec.tensor), []).append(rec)
+    drop: set[tuple[int, int, int]] = set()  # (tensor, lo, hi): evictions to drop inside
+    changed = False
+    for t, recs in sorted(by_tensor.items()):
+        uses = trace.uses(t)
+        use_starts = starts[uses]
+        for a, b in zip(recs, recs[1:]):
+            if a.kind != "prefetch" or b.kind != "evict":
+                continue
+            # an op that used it between the arrival and the eviction: not wasted
+            lo = int(np.searchsorted(use_starts, a.end_s - 1e-12, side="left"))
+            j = int(np.searchsorted(use_starts, b.issue_s + 1e-12, side="right"))
+            if j > lo or j >= uses.size:
+                continue
+            u = int(uses[j])
+            if only is not None and u not in only:
+                continue
+            i = pf_index.get((t, u))
+            if i is None or moves[i].after_op >= u:
+                continue  # no prefetch of ours for that use, or one that wraps
+            m = moves[i]
+            seen = max(_op_before(ends, b.issue_s), m.after_op + 1)
+            q = _op_before(ends, starts[u] - factor * (a.end_s - a.start_s))
+            q = min(max(q, seen), u - 1)
+            if q <= m.after_op:
+                continue
+            moves[i] = Move("prefetch", t, q, m.tier, u)
+            drop.add((t, m.after_op, u))
+            changed = True
+    if drop:
+        windows: dict[int, list[tuple[int, int]]] = {}
+        for t, lo, hi in drop:
+            windows.setdefault(t, []).append((lo, hi))
+        moves = [
+            m for m in moves
+            if not (m.kind == "evict" and any(lo < m.after_op < hi for lo, hi in windows.get(m.tensor, ())))
+        ]
+    return moves, changed
 
 
 def _room_repairs(trace: Trace, plan: Plan, res, stalled: np.ndarray, factor: float) -> list[Move]:
@@ -188,4 +248,38 @@ def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: i
                 continue  # the same step again, on the new simulation
         misses += 1
         si = (si + 1) % len(steps)
+    return score, plan, res, used
+
+
+def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: int,
+                     kinds: tuple[str, ...] = ("wasted", "late", "fault", "room"), factor: float = 1.0):
+    """Hill-climb ``plan`` one stall at a time: the op that stalled longest (in the
+    current simulation) not tried yet gets each kind of repair alone, restricted to its
+    own stall (a round that repairs every stall at once moves hundreds of transfers and
+    mostly loses; one stall's repair is a small change whose effect the simulation
+    measures). A gain restarts from the new simulation's stalls. At most ``rounds``
+    simulations. Returns (score, plan, result, simulations used)."""
+    used = 0
+    tried: set[tuple[int, str]] = set()
+    while used < rounds:
+        stall = res.op_stall_s
+        order = [int(k) for k in np.argsort(-stall, kind="stable") if stall[k] > 1e-9]
+        step = None
+        for k in order:
+            for kind in kinds:
+                if (k, kind) in tried:
+                    continue
+                tried.add((k, kind))
+                new = repair(trace, hw, plan, res, factor, frozenset({kind}), frozenset({k}))
+                if new is not None:
+                    step = new
+                    break
+            if step is not None:
+                break
+        if step is None:
+            break
+        s2, r2 = simulate_score(trace, hw, step)
+        used += 1
+        if s2 < score:
+            score, plan, res = s2, step, r2
     return score, plan, res, used

@@ -60,7 +60,7 @@ from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Trace
 from . import PolicyOptions, register
-from ._tierflow_loop import improve, simulate_score
+from ._tierflow_loop import improve, improve_targeted, simulate_score
 
 
 @dataclass(frozen=True)
@@ -417,10 +417,12 @@ _G10_SEEDS = (
 
 # The loop's size, in ops of the trace simulated (one simulation = one pass over the
 # trace's ops per simulated iteration, counted once): a deterministic measure of work,
-# so that the plan stays a function of its inputs whatever the machine's load. At the
-# default, G10's workloads (929-2319 ops) get the full portfolio and 12 repairs, and a
-# 9,600-op captured model gets 3 repairs, one g10 variant and one deeptm episode.
-_WORK_OPS = 30_000
+# so that the plan stays a function of its inputs whatever the machine's load (a
+# wall-clock cap would make it depend on the load). At the default, G10's workloads
+# (929-2319 ops) get the whole portfolio and 30-48 repair simulations, and a 9,600-op
+# captured model gets 7 repair simulations, two g10 settings and one deeptm episode
+# (a simulation costs 0.05-0.15 s on the former, 0.1-0.3 s on the latter here).
+_WORK_OPS = 70_000
 
 # g10's variants are tried only while its first setting is within this factor of the
 # best seed so far: they are perturbations of one planner (measured spread at most 5%
@@ -443,9 +445,9 @@ class Budget:
         work = int(opts.get("work_ops", _WORK_OPS))
         n = max(n_ops, 1)
         per = max(work // n, 0)  # simulations the budget buys
-        rounds = min(int(opts.get("repair_rounds", 12)), max(per, 1))
-        g10 = min(len(_G10_SEEDS), max(per // 3, 1))
-        episodes = min(_DEEPTM_EPISODES, max(per // 4, 1))
+        rounds = min(int(opts.get("repair_rounds", 48)), max(per, 1))
+        g10 = min(len(_G10_SEEDS), max(per // 4, 1))
+        episodes = min(_DEEPTM_EPISODES, max(per // 10, 1))
         return cls(rounds, g10, episodes)
 
 
@@ -549,7 +551,12 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     seed_score = score
     used = 0
     if score > ideal:
-        score, plan, res, used = improve(trace, hardware, plan, score, res, size.repair_rounds)
+        # all stalls at once first (cheap, large steps), then one stall at a time
+        # with what is left of the budget (small steps; see improve_targeted)
+        first = min(_GLOBAL_ROUNDS, size.repair_rounds // 2) if size.repair_rounds > 1 else size.repair_rounds
+        score, plan, res, used = improve(trace, hardware, plan, score, res, first)
+        score, plan, res, more = improve_targeted(trace, hardware, plan, score, res, size.repair_rounds - used)
+        used += more
     final = Plan(
         "tierflow",
         plan.moves,
@@ -577,6 +584,9 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
 # deeptm's RL episodes when it seeds the portfolio (at most; fewer on large traces, see
 # :class:`Budget`): on ViT, 3 reach what its default 4 reach (0.8465), 1 does not (0.8440).
 _DEEPTM_EPISODES = 3
+
+# Repair simulations of the first, all-stalls-at-once phase (at most half the budget).
+_GLOBAL_ROUNDS = 12
 
 # The knob setting tierflow's own greedy pass uses (see :class:`Knobs`).
 _GRID = (Knobs(0.9, 0.0, 0),)
