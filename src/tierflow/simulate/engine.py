@@ -119,7 +119,9 @@ class CopyEngines:
         else:
             key = (src, dst)
         f.extra["queue"] = key
-        q = self._queues.setdefault(key, deque())
+        q = self._queues.get(key)
+        if q is None:  # (not setdefault: that would build a deque for every transfer)
+            q = self._queues[key] = deque()
         q.append(f)
         if len(q) == 1 and self._activate(f):
             # a flow that first waits out a latency moves nothing yet: the rates of the

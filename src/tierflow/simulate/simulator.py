@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import math
+import operator
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ UNBORN, RESIDENT, AWAY, INCOMING, OUTGOING = range(5)
 ProgressFn = Callable[[int, int], None]
 
 _NOTHING: frozenset[int] = frozenset()
+_BY_ISSUE_THEN_TENSOR = operator.attrgetter("issue_s", "tensor")  # sort key of the transfers
 
 
 @contextmanager
@@ -443,7 +445,7 @@ class _Simulator:
             for f in flows
             if f.issue_s >= w
         ]
-        transfers.sort(key=lambda r: (r.issue_s, r.tensor))
+        transfers.sort(key=_BY_ISSUE_THEN_TENSOR)
         memory = {}
         for tier, log in self.mem_log.items():
             arr = np.array(log, dtype=np.float64).reshape(-1, 2)
