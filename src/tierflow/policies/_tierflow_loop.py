@@ -11,11 +11,14 @@ Seeds are candidate plans from this package's planners (tierflow's own greedy pa
   hint issued early enough, by the simulated clock, for the fetch to finish before the
   op would have started.
 * a **room wait** (a reactive plan's pager evicting on demand while an op waits) gets
-  eviction hints for the tensors it evicted, issued earlier (see :func:`_room_repairs`).
+  eviction hints for the tensors it evicted, issued earlier (see :func:`_room_repairs`);
+* a **wasted prefetch** (a tensor prefetched, evicted again before any op used it,
+  then fetched back) is reissued after that eviction (see :func:`_wasted_repairs`).
 
-A repair is kept only if the simulated step gets shorter (hill climbing), so the loop
-never makes a seed worse. Everything is a pure function of its inputs: a fixed number of
-rounds, no wall clock, ties broken by ids.
+:func:`improve` applies a kind of repair to every stall at once; :func:`improve_targeted`
+to one stall at a time, longest first. A repair is kept only if the simulated step gets
+shorter (hill climbing), so the loop never makes a seed worse. Everything is a pure
+function of its inputs: a fixed number of simulations, no wall clock, ties broken by ids.
 """
 
 from __future__ import annotations

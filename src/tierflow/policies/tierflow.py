@@ -20,21 +20,32 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    gaps long enough for a slow tier (``ssd_slack`` times its round trip) try the slowest
    tier first so the fast one stays free for short gaps.
 4. **Portfolio and closed loop** (:mod:`._tierflow_loop`). Seeds: the plan of steps
-   1-3, then ``singa``'s planned schedule and ``g10``'s reactive hints under four of
-   its own settings (published bookkeeping or the machine's real figures; line at 99%
-   or lower), and, only where a planned seed leads, ``deeptm``'s ILP. Each seed is
+   1-3, then ``singa``'s planned schedule and ``g10``'s reactive hints under up to four
+   of its own settings (published bookkeeping or the machine's real figures; line at
+   99% or lower; the variants only while g10's first setting is within 10% of the best
+   seed), and, only where a planned seed leads, ``deeptm``'s ILP. Each seed is
    simulated and the best one (shortest simulated step, ties to the earlier seed) is
-   repaired against the simulator: prefetches that arrived while an op stalled are
-   issued earlier by the measured lateness, faults of a reactive plan get prefetch hints early enough by the simulated clock, and evictions a
-   reactive plan's pager made on demand while an op waited for room are hinted
-   earlier; each kind of repair is tried alone, and kept only if the simulated step
-   gets shorter. So tierflow is never worse than its seeds by construction; what it
-   gains beyond them is the repair's (measured in BENCHMARKS.md).
+   repaired against the simulator, in two phases. First all stalls at once, each kind
+   of repair alone: prefetches that arrived while an op stalled are issued earlier by
+   the measured lateness, faults of a reactive plan get prefetch hints early enough by
+   the simulated clock, and evictions a reactive plan's pager made on demand while an
+   op waited for room are hinted earlier. Then one stall at a time, longest first
+   (:func:`._tierflow_loop.improve_targeted`), with those kinds and one more: a
+   **wasted prefetch** (prefetched, then evicted again before any op used it, then
+   fetched back) is reissued after the eviction, just in time for its use. A repair is
+   kept only if the simulated step gets shorter, so tierflow is never worse than its
+   seeds by construction; what it gains beyond them is the repair's (measured in
+   BENCHMARKS.md).
+5. **Work budget.** How many seeds and repair simulations run is set by ``work_ops``
+   (simulated trace ops, see :class:`Budget`), not by a clock: the plan is a pure
+   function of its inputs, and a 9,600-op trace gets fewer seeds and repairs than a
+   1,300-op one.
 
 The result is whichever plan won: planned (checked by :func:`tierflow.plan.validate`)
 when the own pass, ``singa`` or ``deeptm`` wins, *reactive* (G10-style hints to the
 on-demand pager) when a ``g10`` seed wins; ``meta["seed"]`` says which. It is a pure function of
-(trace, hardware, options): a fixed number of simulations, no randomness, ties by ids.
+(trace, hardware, options): a number of simulations fixed by the work budget, no
+randomness, ties by ids.
 
 Options:
     min_bytes (int): gaps below this size are not moved by the own pass, unless the
@@ -42,7 +53,11 @@ Options:
         (default 1 MiB).
     ssd_slack (float): a gap this many times a slow tier's round trip goes there first
         (default 4).
-    repair_rounds (int): at most this many repair simulations (default 12).
+    repair_rounds (int): at most this many repair simulations (default 48; fewer
+        when ``work_ops`` buys fewer).
+    work_ops (int): the loop's work budget in simulated trace ops (default 70,000:
+        about 54 simulations of a 1,300-op trace, 7 of a 9,600-op one); it also sizes
+        the portfolio (g10 settings, deeptm episodes; see :class:`Budget`).
     portfolio (bool): seed from the other planners too (default True); False plans
         with the own pass and the repair loop only (always planned).
 """
