@@ -26,6 +26,8 @@ _EXTENSIONS = (
 )
 
 DEFAULT_POLICIES = ("ideal", "lru", "deepum")
+# tierflow.simulate.POOL_CHOICES, spelled out so that parsing imports no simulator
+POOL_CHOICES = ("none", "greedy", "best")
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,26 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
         "--strategy", choices=("ddp", "fsdp"), default="ddp",
         help="with --gpus N: ddp (replicated, all-reduce) or fsdp (sharded, all-gather/reduce-scatter)",
     )
+    p.add_argument(
+        "--pool", choices=POOL_CHOICES, default="none",
+        help="device memory as one arena laid out by the pool planner (greedy or best), fragmentation "
+        "included: the budget is lowered until the arena fits; none = byte counting (default)",
+    )
+    p.add_argument(
+        "--pool-time", type=_positive_seconds, default=2.0, metavar="SECONDS",
+        help="with --pool best: seconds the solver may spend on each layout (default: 2)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of ``--pool-time``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def parse_options(items: list[str]) -> dict[str, Any]:
@@ -154,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_policies(
     trace: Any, hw: Any, names: list[str], budget: Any, show_progress: bool, options: dict | None = None,
-    gpus: int = 1, strategy: str = "ddp",
+    gpus: int = 1, strategy: str = "ddp", pool: str = "none", pool_time: float = 2.0,
 ) -> list[Any]:
     from .errors import PlanError
     from .policies import make_plan, resolve_budget
@@ -162,6 +184,8 @@ def _run_policies(
 
     if gpus < 1:
         raise SystemExit("tierflow: --gpus must be >= 1")
+    if pool != "none" and gpus > 1:
+        raise SystemExit("tierflow: --pool lays out one device's memory; it cannot be combined with --gpus")
     if gpus > 1:
         from .simulate.parallel import DataParallel, rank_trace, simulate_parallel
 
@@ -185,7 +209,18 @@ def _run_policies(
                 results.append(SimResult.unplanned(name, trace, hw, str(e)))
                 continue
             base = k * 2 * trace.n_ops
-            results.append(simulate(trace, hw, plan, progress=lambda d, _t, b=base: update(b + d)))
+            tick = lambda d, _t, b=base: update(b + d)  # noqa: E731
+            if pool == "none":
+                results.append(simulate(trace, hw, plan, progress=tick))
+                continue
+            from .simulate import simulate_pooled
+
+            # a fragmented arena leaves the plan less room: the policy plans for the lower
+            # budget, as it would if it knew the allocator (ideal ignores budgets)
+            replan = None if name == "ideal" else (
+                lambda b, n=name: make_plan(n, trace, hw, budget=b, **(options or {}))
+            )
+            results.append(simulate_pooled(trace, hw, plan, pool, time_limit=pool_time, replan=replan, progress=tick))
     return results
 
 
@@ -210,7 +245,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         _policy_list(args.policy)
         (res,) = _run_policies(
-            trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy
+            trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy,
+            args.pool, args.pool_time,
         )
     if args.json:
         u.print_json(res.to_dict())
@@ -225,7 +261,7 @@ def _replay(trace: Any, hw: Any, args: argparse.Namespace) -> Any:
 
     from .plan import Plan
     from .policies import resolve_budget
-    from .simulate import simulate
+    from .simulate import simulate, simulate_pooled
 
     path = Path(args.plan_file)
     if path.name.endswith(".config"):
@@ -235,6 +271,8 @@ def _replay(trace: Any, hw: Any, args: argparse.Namespace) -> Any:
     else:
         plan = Plan.load(path)
     with u.progress(f"simulating {path.name}", 2 * trace.n_ops, enabled=not args.json) as update:
+        if args.pool != "none":  # no policy to plan again: the same plan at lower budgets
+            return simulate_pooled(trace, hw, plan, args.pool, time_limit=args.pool_time, progress=update)
         return simulate(trace, hw, plan, progress=update)
 
 
@@ -245,7 +283,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     trace = u.resolve_trace(args, hardware=hw)
     names = _policy_list(args.policies)
     results = _run_policies(
-        trace, hw, names, args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy
+        trace, hw, names, args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy,
+        args.pool, args.pool_time,
     )
     if args.json:
         u.print_json([r.to_dict() for r in results])
@@ -371,6 +410,10 @@ def _print_results(trace: Any, hw: Any, results: list[Any]) -> None:
         table.add_column(f"{name} GB", justify="right")
     for name in tiers:
         table.add_column(f"peak {name}", justify="right")
+    pooled = any(r.pool is not None for r in results)
+    if pooled:  # --pool: the device arena and what it costs over the live peak
+        table.add_column(f"arena {hw.device}", justify="right")
+        table.add_column("frag", justify="right")
     table.add_column("fits")
     for r in results:
         if r.error:  # no plan, or the plan cannot run: nothing measured to show
@@ -380,13 +423,36 @@ def _print_results(trace: Any, hw: Any, results: list[Any]) -> None:
             row = [r.policy, fmt_seconds(r.time_s), f"{r.ratio:.3f}", fmt_seconds(r.stall_s)]
             row += [f"{r.traffic_bytes.get(n, 0) / 1e9:.1f}" for n in links]
             row += [f"{r.peak_bytes.get(n, 0) / 2**30:.1f}" for n in tiers]
+        if pooled:
+            p = r.pool
+            row += ["-", "-"] if p is None or not p.buffers else [
+                f"{p.arena_peak_bytes / 2**30:.1f}", f"{100 * p.fragmentation_ratio:.1f}%"
+            ]
         row.append("[green]yes[/]" if r.fits else "[red]no[/]")
         table.add_row(*row)
     con.print(table)
     for r in results:
+        if r.pool is not None and r.pool.buffers:
+            con.print(_pool_line(r))
+    for r in results:
         if r.error:
             msg = r.error if r.error.startswith(f"{r.policy}:") else f"{r.policy}: {r.error}"
             con.print(f"[red]{msg}[/]")
+
+
+def _pool_line(r: Any) -> str:
+    """One line on a --pool result: the arena, its bound, and the budget it left."""
+    p = r.pool
+    line = (
+        f"{r.policy}: {p.solver} pool: arena {fmt_bytes(p.arena_peak_bytes)} for {fmt_bytes(p.live_peak_bytes)} "
+        f"live (bound {fmt_bytes(p.lower_bound_bytes)}, fragmentation {fmt_bytes(p.fragmentation_bytes)})"
+    )
+    if p.rounds > 1:
+        line += (
+            f"; budget {'lowered to ' + fmt_bytes(p.effective_budget_bytes) if p.fits else 'lowered'} "
+            f"in {p.rounds} rounds ({p.shrink})"
+        )
+    return line
 
 
 def _verdict(trace: Any, hw: Any, results: list[Any]) -> str:

@@ -359,18 +359,21 @@ def simulate_pooled(
     if rounds[0].error is not None:  # the plan cannot run even with byte counting
         return _finish(rounds[0], rounds, pool, plan, limit, replan, solve_s, rounds[0].error)
     fit: _Round | None = rounds[0] if rounds[0].arena <= limit else None
-    if not math.isfinite(capacity):  # an unlimited budget is not lowered: only measured
-        error = None if fit else f"the {pool} arena needs {rounds[0].arena} bytes, over the device's {limit:.0f}"
-        return _finish(rounds[0], rounds, pool, plan, limit, replan, solve_s, error)
+    if not math.isfinite(capacity):  # an unlimited budget is not lowered: the arena is only measured
+        return _finish(rounds[0], rounds, pool, plan, limit, replan, solve_s, None)
     high = rounds[0]  # the lowest budget so far whose arena does not fit, above any that fits
+    # no budget below the largest set of tensors one op needs can run
+    floor = int(trace.working_set_bytes.max()) if trace.n_ops else 0
     step = 0.0
     while fit is None or (fit is not rounds[0] and high.budget - fit.budget > TOLERANCE * capacity):
         if len(rounds) >= max_rounds:
             break
         if fit is None:
             last = rounds[-1]
+            if last.budget <= floor:
+                break  # already at the minimum working set: nothing lower can run
             step = max(float(last.arena - limit), 2 * step)
-            budget = math.floor(last.budget - step)
+            budget = max(floor, math.floor(last.budget - step))
         else:
             budget = math.floor((fit.budget + high.budget) / 2)
         r = run(budget, False)
@@ -385,8 +388,10 @@ def simulate_pooled(
             high = r
     if fit is None:
         last = rounds[-1]
+        lowest = ("the minimum working set" if last.budget <= floor
+                  else f"{last.budget:.0f} bytes, after {len(rounds)} rounds")
         error = last.error or (f"the {pool} arena needs {last.arena} bytes, over the budget of {limit:.0f}, "
-                               f"at every budget tried ({len(rounds)} rounds, down to {last.budget:.0f} bytes)")
+                               f"at every budget tried, down to {lowest}")
         return _finish(last, rounds, pool, plan, limit, replan, solve_s, error)
     return _finish(fit, rounds, pool, plan, limit, replan, solve_s, None)
 
