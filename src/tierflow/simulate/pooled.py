@@ -27,11 +27,15 @@ static pool costs instead. Its semantics:
    and the independent validator checks them. The arena's peak is what the device must
    hold; ``arena - live peak`` is the fragmentation.
 5. **Fit.** If the arena exceeds the plan's budget, that layout cannot run: the plan
-   effectively has ``overflow`` bytes fewer. The iteration is simulated again with the
-   budget lowered by the overflow (the same plan, or a new plan for the lower budget
-   when ``replan`` is given), and the new residency laid out again, until the arena fits
-   or ``max_rounds`` runs out; then the result reports that the plan does not fit. The
-   step time reported is the last round's, so it includes fragmentation's cost.
+   effectively has ``overflow`` bytes fewer. The iteration is simulated again at a
+   budget lowered by the overflow (the same plan, or a new plan for that budget when
+   ``replan`` is given) and its residency laid out again; while the arena still does
+   not fit, the step down doubles (never below the largest working set of one op).
+   Once a budget fits, the search bisects between it and the lowest higher budget that
+   did not, to within :data:`TOLERANCE` of the budget or ``max_rounds`` simulations.
+   The result is that of the highest budget found whose arena fits the original
+   budget, so its step time pays for fragmentation; if none fits, the result says the
+   plan does not fit.
 
 A reactive plan's residency is decided at run time; its pool is the layout an offline
 planner would give the residency the simulation produced (a bound for that pager, not
@@ -149,6 +153,12 @@ class _Recorder(_Simulator):
             self._free_t = t
         super()._die(t)
 
+    def blocks(self) -> tuple[list[tuple[int, int, int]], int]:
+        """The recorded ``(tensor, lower, upper)`` blocks in allocation order, and the
+        length of the axis (blocks still held at the end end with it)."""
+        end = self._clock + 1
+        return [(t, lo, end if hi < 0 else hi) for t, lo, hi in self._bufs], end
+
     def problem(self, alignment: int = 1) -> tuple[Problem, int]:
         """The recorded iteration as a pool problem, and how many tensors are laid out
         over the whole iteration because they are held across the cut (module
@@ -159,8 +169,7 @@ class _Recorder(_Simulator):
         """
         from ..pool import Buffer, Problem, lower_bound
 
-        end = self._clock + 1
-        blocks = [(t, lo, end if hi < 0 else hi) for t, lo, hi in self._bufs]  # open ones end with it
+        blocks, end = self.blocks()
         raw = Problem(tuple(Buffer(str(k), lo, hi, self.size[t]) for k, (t, lo, hi) in enumerate(blocks)))
         live = lower_bound(raw)
         if live != int(self.peak[self.dev]):
@@ -405,7 +414,8 @@ def _finish(chosen: _Round, rounds: list[_Round], pool: str, plan: Plan, limit: 
         budget_bytes=plan.budget_bytes, effective_budget_bytes=chosen.budget, rounds=len(rounds),
         buffers=chosen.buffers, spanning=chosen.spanning, fits=error is None and chosen.arena <= limit,
         shrink="replan" if replan else "same plan", optimal=chosen.optimal, solve_s=solve_s,
-        history=[{"budget_bytes": r.budget, "live_peak_bytes": r.live, "arena_peak_bytes": r.arena, "time_s": r.result.time_s, "error": r.error} for r in rounds],
+        history=[{"budget_bytes": r.budget, "live_peak_bytes": r.live, "lower_bound_bytes": r.bound,
+                  "arena_peak_bytes": r.arena, "time_s": r.result.time_s, "error": r.error} for r in rounds],
     )
     res.budget_bytes = plan.budget_bytes
     if error is not None:

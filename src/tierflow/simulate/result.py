@@ -45,7 +45,8 @@ class PoolAccount:
         shrink: how a lower budget was simulated: ``same plan`` or ``replan``.
         optimal: the solver proved its last layout minimal.
         solve_s: seconds the solver took, all rounds.
-        history: per round, the budget, live peak, arena peak and step time.
+        history: per round, the budget, live peak, lower bound, arena peak, step time
+            and error (``None`` when the round ran).
     """
 
     solver: str
