@@ -307,3 +307,21 @@ def pick_tier(hardware: Hardware, kinds: tuple[str, ...]) -> str:
             if hardware.tier(t).kind == kind:
                 return t
     return tiers[0]
+
+
+def issue_order(moves: list[Move] | tuple[Move, ...], trace: Trace) -> tuple[Move, ...]:
+    """``moves`` in the order to issue them at each op: evictions first, smallest first
+    (shortest-processing-time order on a copy queue, so room comes back soonest), then
+    prefetches by the op that needs them (earliest deadline first, the next
+    iteration's after this one's), smallest first among equals. Issue order matters
+    because each copy queue serves its transfers one after another."""
+    n, sizes = trace.n_ops, trace.sizes
+
+    def key(m: Move) -> tuple[int, int, int, int, int]:
+        size = int(sizes[m.tensor])
+        if m.kind == "evict":
+            return (m.after_op, 0, 0, size, m.tensor)
+        need = m.needed_by if m.needed_by is not None else m.after_op + 1
+        return (m.after_op, 1, need if need > m.after_op else need + n, size, m.tensor)
+
+    return tuple(sorted(moves, key=key))

@@ -44,6 +44,7 @@ Options:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Gap, Trace
 from . import PolicyOptions, register
-from ._common import Planner, gap_end, gap_ops, no_fit
+from ._common import Planner, gap_end, gap_ops, issue_order, no_fit
 
 N_FEATURES = 4  # size, frequency, gap length, recency
 
@@ -167,9 +168,12 @@ class _Ilp:
 
         Each round solves the LP relaxation over the current rows, fixes the variables
         it leaves integral, and solves the remaining binaries exactly as a MIP (HiGHS);
-        the covering structure leaves only a handful fractional, so this is the ILP's
-        optimum in practice at a fraction of a full branch-and-cut's time. Rows where the
-        whole curve is still violated are added and the round repeats."""
+        the covering structure leaves only a handful fractional, so this is close to the
+        ILP's optimum at a fraction of a full branch-and-cut's time. Rows where the whole
+        curve is still violated are added and the round repeats. Fixing at 0 what the
+        LP leaves at 0 can miss a cheap integral answer (the LP covers a small deficit
+        with a fraction of a large unit; the MIP must then take all of it), so the answer
+        is improved by :meth:`_drop_and_repair` on the units the LP left fractional."""
         from scipy import sparse
         from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -184,6 +188,7 @@ class _Ilp:
         rows.add(int(np.argmax(self.deficit)))
         one = LinearConstraint(sparse.hstack([sparse.identity(U)] * K).tocsr(), lb=0, ub=1)
         free_total = 0
+        lo = hi = np.zeros(U * K)
         for _ in range(12):
             r = np.array(sorted(rows))
             Cs = self.cover[r].multiply(self.size[None, :]).tocsr()
@@ -213,9 +218,106 @@ class _Ilp:
             choice = np.where(x.max(axis=1) > 0.5, x.argmax(axis=1), -1)
             bad = self._violations(choice)
             if not bad.size:
-                return choice, f"highs: LP relaxation, then MIP over its {free_total} fractional binaries"
+                fractional = np.flatnonzero((hi - lo).reshape(K, U).max(axis=0) > 0.5)
+                choice, swaps = self._drop_and_repair(choice, cost, fractional)
+                choice = self._ties_to_first_tier(choice, cost)
+                return choice, (
+                    f"highs: LP relaxation, then MIP over its {free_total} fractional binaries"
+                    + (f"; {swaps} fractional unit(s) replaced by cheaper ones" if swaps else "")
+                )
             rows.update(bad.tolist())
         return self._greedy(cost), "greedy (cutting planes did not converge)"
+
+    def _ties_to_first_tier(self, choice: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """``choice`` with every unit whose cost is the same on an earlier tier of
+        ``tiers`` (fastest round trip first) moved there while that tier has room over
+        the unit's gap, units in order. The ILP is indifferent between equal costs (and
+        the solver's answer among them is arbitrary): this settles such ties the same
+        way whatever the tiers' capacities, so more room only moves units to a tier
+        that is no slower."""
+        K = len(self.tiers)
+        if K < 2:
+            return choice
+        cover_t = self.cover.T.tocsr()
+        occ = np.stack([self.cover @ ((choice == k) * self.size) for k in range(K)])
+        for u in np.flatnonzero(choice > 0).tolist():
+            k0 = int(choice[u])
+            col = cover_t.indices[cover_t.indptr[u] : cover_t.indptr[u + 1]]
+            for k in range(k0):
+                if cost[u, k] <= cost[u, k0] and (occ[k, col] + self.size[u] <= self.caps[k]).all():
+                    occ[k0, col] -= self.size[u]
+                    occ[k, col] += self.size[u]
+                    choice[u] = k
+                    break
+        return choice
+
+    def _drop_and_repair(self, choice: np.ndarray, cost: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, int]:
+        """(improved choice, how many units were replaced): for each unit in ``units``
+        that ``choice`` takes, drop it and cover what it covered with the units left on
+        the device, cheapest per byte of deficit they relieve first; keep the result if
+        it costs less. The choice stays feasible on every row."""
+        total = self._cost_of(choice, cost)
+        swaps = 0
+        for f in units.tolist():
+            if choice[f] < 0:
+                continue
+            trial = choice.copy()
+            trial[f] = -1
+            trial = self._cover_rest(trial, cost, exclude=f)
+            if trial is not None:
+                c = self._cost_of(trial, cost)
+                if c < total * (1 - 1e-12):
+                    choice, total, swaps = trial, c, swaps + 1
+        return choice, swaps
+
+    @staticmethod
+    def _cost_of(choice: np.ndarray, cost: np.ndarray) -> float:
+        taken = np.flatnonzero(choice >= 0)
+        return float(cost[taken, choice[taken]].sum())
+
+    def _cover_rest(self, choice: np.ndarray, cost: np.ndarray, exclude: int) -> np.ndarray | None:
+        """``choice`` completed (greedily) until every op's deficit is covered, or None
+        if the units left cannot cover it within the tiers' capacities. Each step takes
+        the unit and tier with the least cost per useful byte (its bytes, capped by the
+        largest deficit left among the ops it covers)."""
+        K = len(self.tiers)
+        cover_t = self.cover.T.tocsr()  # unit x op
+        ops, starts = cover_t.indices, cover_t.indptr[:-1]
+        has_ops = np.diff(cover_t.indptr) > 0
+
+        def per_unit_max(values: np.ndarray) -> np.ndarray:
+            """Max of ``values`` over each unit's ops (-inf for a unit with none)."""
+            out = np.full(len(self.units), -np.inf)
+            if ops.size:
+                out[has_ops] = np.maximum.reduceat(values[ops], starts[has_ops])
+            return out
+
+        left = self.deficit - self.cover @ ((choice >= 0) * self.size)
+        occ = np.stack([self.cover @ ((choice == k) * self.size) for k in range(K)])
+        while (left > 0.5).any():
+            # per unit: the largest deficit left among its ops, and per tier the fullest
+            # op it would add to
+            need = per_unit_max(left)
+            ok = (choice < 0) & (need > 0.5)
+            ok[exclude] = False
+            if not ok.any():
+                return None
+            ratio = np.full((len(self.units), K), np.inf)
+            useful = np.minimum(self.size, need)
+            for k in range(K):
+                fits = ok.copy()
+                if math.isfinite(self.caps[k]):
+                    fits &= per_unit_max(occ[k]) + self.size <= self.caps[k]
+                ratio[fits, k] = cost[fits, k] / useful[fits]
+            flat = int(np.argmin(ratio))  # ties: lowest unit, then lowest tier
+            u, k = divmod(flat, K)
+            if not math.isfinite(ratio[u, k]):
+                return None
+            col = ops[cover_t.indptr[u] : cover_t.indptr[u + 1]]
+            choice[u] = k
+            left[col] -= self.size[u]
+            occ[k, col] += self.size[u]
+        return choice
 
     def _violations(self, choice: np.ndarray) -> np.ndarray:
         on = (choice >= 0) * self.size
@@ -261,7 +363,9 @@ def _plan_from(trace: Trace, hw: Hardware, budget: float, units: list[Unit], tie
     if not p.fits():
         raise p.no_fit("deeptm", f"with {len(p.offloads)} tensors placed by the ILP")
     p.place_prefetches()
-    return p.plan("deeptm", meta)
+    plan = p.plan("deeptm", meta)
+    # at each op: evictions smallest first, prefetches in the order they are needed
+    return dataclasses.replace(plan, moves=issue_order(plan.moves, trace))
 
 
 @register("deeptm")

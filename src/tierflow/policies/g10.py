@@ -84,6 +84,7 @@ from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Gap, Trace
 from . import PolicyOptions, register
+from ._common import issue_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +430,7 @@ def g10(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     planner = _Planner(trace, hardware, options)
     if planner.fast is not None:
         planner.run(bool(options.get("move_earlier", True)), bool(options.get("second_pass", False)))
-    moves = sorted(planner.moves, key=lambda m: (m.after_op, m.kind != "evict", m.tensor))
+    moves = issue_order(planner.moves, trace)
     return Plan(
         policy="g10",
         moves=tuple(moves),
