@@ -233,3 +233,32 @@ def test_at_least_as_good_as_every_seed_on_other_small_traces():
             except PlanError:
                 continue
             assert ours >= theirs - 1e-12, (base, layers, share, ours, theirs)
+
+
+def test_tier_repair_swaps_a_slow_arrival_with_a_fast_tier_stay(gpt):
+    # With a small host, a tensor that comes back from the SSD while an op waits trades
+    # tiers with one that waited on the host and came back with time to spare: the host
+    # holds as many evictions as before, and each prefetch names its eviction's tier.
+    from collections import Counter
+
+    import numpy as np
+
+    from tierflow.plan import Plan
+    from tierflow.policies._tierflow_loop import _tier_repairs, repair, simulate_score
+
+    trace, hw = gpt
+    small = hw.with_tier("host", capacity=float(trace.peak_live_bytes * 0.05))
+    budget = int(trace.peak_live_bytes * 0.5)
+    own = make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0)
+    plan = Plan("x", own.moves, budget_bytes=budget)
+    _, res = simulate_score(trace, small, plan)
+    stalled = np.flatnonzero(res.op_stall_s > 1e-9)
+    moves, changed = _tier_repairs(trace, small, res, stalled, list(plan.moves))
+    assert changed
+    evicts = lambda ms: Counter(m.tier for m in ms if m.kind == "evict")  # noqa: E731
+    assert evicts(moves) == evicts(plan.moves)
+    swapped = [(a, b) for a, b in zip(plan.moves, moves) if a != b]
+    assert {(a.tier, b.tier) for a, b in swapped if a.kind == "evict"} == {("host", "ssd"), ("ssd", "host")}
+    new = repair(trace, small, plan, res, 1.0, frozenset({"tier"}))
+    if new is not None:  # the validator may refuse it (then the loop skips it)
+        assert not new.reactive and len(new.moves) == len(plan.moves)

@@ -13,7 +13,10 @@ Seeds are candidate plans from this package's planners (tierflow's own greedy pa
 * a **room wait** (a reactive plan's pager evicting on demand while an op waits) gets
   eviction hints for the tensors it evicted, issued earlier (see :func:`_room_repairs`);
 * a **wasted prefetch** (a tensor prefetched, evicted again before any op used it,
-  then fetched back) is reissued after that eviction (see :func:`_wasted_repairs`).
+  then fetched back) is reissued after that eviction (see :func:`_wasted_repairs`);
+* a **slow-tier arrival** (a tensor an op waited for coming back from the SSD) swaps
+  tiers with one that waited in host memory with time to spare (see
+  :func:`_tier_repairs`).
 
 :func:`improve` applies a kind of repair to every stall at once; :func:`improve_targeted`
 to one stall at a time, longest first. A repair is kept only if the simulated step gets
@@ -47,7 +50,7 @@ def _op_before(ends: np.ndarray, t: float) -> int:
 
 
 def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
-           kinds: frozenset[str] = frozenset({"late", "fault", "room", "wasted"}),
+           kinds: frozenset[str] = frozenset({"late", "fault", "room", "wasted", "tier"}),
            only: frozenset[int] | None = None) -> Plan | None:
     """One round of stall repairs (see the module docstring) of the given ``kinds``
     (``late`` prefetches, ``fault`` hints, ``room`` waits); None if there is nothing to
@@ -84,6 +87,8 @@ def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
     added: list[Move] = []
     if "wasted" in kinds:
         moves, changed = _wasted_repairs(trace, res, moves, factor, only)
+    if "tier" in kinds:
+        moves, changed = _tier_repairs(trace, hw, res, stalled, moves)
     if plan.reactive and "room" in kinds:
         added += _room_repairs(trace, plan, res, stalled, factor)
         changed = changed or bool(added)
@@ -189,6 +194,76 @@ def _wasted_repairs(trace: Trace, res, moves: list[Move], factor: float,
     return moves, changed
 
 
+def _tier_repairs(trace: Trace, hw: Hardware, res, stalled: np.ndarray,
+                  moves: list[Move]) -> tuple[list[Move], bool]:
+    """Swap tiers for a **slow-tier arrival**: a tensor ``t`` that arrived from a slower
+    tier (an SSD) while op ``k`` waited for it trades places with a tensor ``h`` that
+    waited in the fastest tier (host memory) over all of ``t``'s absence and came back
+    with time to spare (more than its transfer from the slow tier would take): ``t``'s
+    eviction now goes to the fast tier and ``h``'s to the slow one, so the fast tier
+    holds no more than before. Prefetches that name their tier follow. Returns
+    (moves, whether any changed)."""
+    dev = hw.device
+    tiers = list(hw.offload_tiers)
+    if len(tiers) < 2:
+        return moves, False
+    fastest = max(tiers, key=lambda t: (hw.route_bandwidth(t, dev), -tiers.index(t)))
+    starts, ends, stall = res.op_start_s, res.op_end_s, res.op_stall_s
+    # each stay in a tier: (tensor, tier, eviction record, fetch record)
+    stays: dict[int, list[tuple]] = {}
+    last_evict: dict[int, object] = {}
+    for r in res.transfers:
+        if r.kind == "evict":
+            last_evict[int(r.tensor)] = r
+        elif r.dst == dev and int(r.tensor) in last_evict:
+            e = last_evict.pop(int(r.tensor))
+            stays.setdefault(int(r.tensor), []).append((e, r))
+    ev_index = {(m.tensor, m.after_op): i for i, m in enumerate(moves) if m.kind == "evict"}
+    used: set[int] = set()
+    changed = False
+    for k in stalled.tolist():
+        ready = starts[k] - stall[k]
+        need = {int(t) for t in trace.op_tensors[k]}
+        for t in sorted(need):
+            for e, f in stays.get(t, ()):
+                if not (f.src != fastest and ready - 1e-9 < f.end_s <= starts[k] + 1e-9):
+                    continue
+                i_t = ev_index.get((t, _op_before(ends, e.issue_s + 1e-12)))
+                if i_t is None or t in used:
+                    continue
+                # a partner: in the fast tier over t's whole absence, at least as big,
+                # back early enough to come from the slow tier instead
+                best = None
+                for h, hs in stays.items():
+                    if h == t or h in used or int(trace.sizes[h]) < int(trace.sizes[t]):
+                        continue
+                    for he, hf in hs:
+                        if hf.src != fastest or he.end_s > e.end_s or hf.start_s < f.start_s:
+                            continue
+                        uses = trace.uses(h)
+                        nxt = uses[starts[uses] >= hf.end_s - 1e-12]
+                        if not nxt.size:
+                            continue
+                        spare = starts[int(nxt[0])] - hf.end_s
+                        slow_s = int(trace.sizes[h]) / hw.route_bandwidth(f.src, dev)
+                        if spare > slow_s and (best is None or spare > best[0]):
+                            i_h = ev_index.get((h, _op_before(ends, he.issue_s + 1e-12)))
+                            if i_h is not None:
+                                best = (spare, h, i_h, int(nxt[0]))
+                if best is None:
+                    continue
+                _, h, i_h, h_use = best
+                for i, tensor, tier, use in ((i_t, t, fastest, k), (i_h, h, f.src, h_use)):
+                    m = moves[i]
+                    moves[i] = Move("evict", tensor, m.after_op, tier)
+                    for j, x in enumerate(moves):  # the prefetch that ends this stay
+                        if x.tensor == tensor and x.kind == "prefetch" and x.tier is not None and x.needed_by == use:
+                            moves[j] = Move("prefetch", tensor, x.after_op, tier, use)
+                used.update((t, h))
+                changed = True
+    return moves, changed
+
+
 def _room_repairs(trace: Trace, plan: Plan, res, stalled: np.ndarray, factor: float) -> list[Move]:
     """Eviction hints for a reactive plan's **room waits**: when op ``k`` stalled while the
     pager evicted tensors on demand (to make room for its faults or births), those
@@ -257,12 +332,15 @@ def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: i
 
 
 def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: int,
-                     kinds: tuple[str, ...] = ("wasted", "late", "fault", "room"), factor: float = 1.0):
+                     groups: tuple[tuple[str, ...], ...] = (("wasted", "late", "tier"), ("room", "fault")),
+                     factor: float = 1.0):
     """Hill-climb ``plan`` one stall at a time: the op that stalled longest (in the
     current simulation) not tried yet gets each kind of repair alone, restricted to its
     own stall (a round that repairs every stall at once moves hundreds of transfers and
     mostly loses; one stall's repair is a small change whose effect the simulation
-    measures). A gain restarts from the new simulation's stalls. At most ``rounds``
+    measures). The kinds of the first of ``groups`` are tried on every stalled op
+    before those of the next (the pager's kinds, second, lost on most ops of SENet and
+    ResNet). A gain restarts from the new simulation's stalls. At most ``rounds``
     simulations, and at most ``4 * rounds`` repairs tried (a repair that changes
     nothing or that the validator rejects costs no simulation, but it is not free: on
     a planned 9,600-op plan, hundreds of them were rejected at 0.1 s each). Kinds
@@ -271,23 +349,19 @@ def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, 
     used = attempts = 0
     tried: set[tuple[int, str]] = set()
     if not plan.reactive:
-        kinds = tuple(k for k in kinds if k not in ("fault", "room"))
+        groups = tuple(tuple(k for k in g if k not in ("fault", "room")) for g in groups)
     while used < rounds and attempts < 4 * rounds:
         stall = res.op_stall_s
         order = [int(k) for k in np.argsort(-stall, kind="stable") if stall[k] > 1e-9]
         step = None
-        for k in order:
-            for kind in kinds:
-                if (k, kind) in tried:
-                    continue
-                tried.add((k, kind))
-                attempts += 1
-                if attempts > 4 * rounds:
-                    break
-                new = repair(trace, hw, plan, res, factor, frozenset({kind}), frozenset({k}))
-                if new is not None:
-                    step = new
-                    break
+        for k, kind in ((k, kind) for g in groups for k in order for kind in g):
+            if (k, kind) in tried:
+                continue
+            tried.add((k, kind))
+            attempts += 1
+            if attempts > 4 * rounds:
+                break
+            step = repair(trace, hw, plan, res, factor, frozenset({kind}), frozenset({k}))
             if step is not None:
                 break
         if step is None:
