@@ -11,6 +11,7 @@ from helpers import MB, chain_trace, simple_hw
 from tierflow import Op, TensorInfo, Trace, load_hardware, pool
 from tierflow.cli import POOL_CHOICES as CLI_POOL_CHOICES
 from tierflow.cli import build_parser, main
+from tierflow.errors import PlanError
 from tierflow.plan import Move, Plan, validate
 from tierflow.policies import make_plan
 from tierflow.simulate import POOL_CHOICES, simulate, simulate_pooled
@@ -161,6 +162,20 @@ def test_replan_is_called_with_lower_budgets():
     r = simulate_pooled(trace, hw, ring_plan(300 * MB), "greedy", replan=replan)
     assert asked and all(b < 300 * MB for b in asked) and r.pool.shrink == "replan"
     assert r.pool.effective_budget_bytes in asked
+
+
+def test_a_budget_that_cannot_be_planned_makes_the_search_back_off():
+    trace, hw = ring(4, 1), simple_hw(pcie_gbps=1.0)
+
+    def replan(budget: float) -> Plan:
+        if budget < 250 * MB:
+            raise PlanError(f"no plan for {budget:.0f} bytes")
+        return ring_plan(budget)
+
+    r = simulate_pooled(trace, hw, ring_plan(300 * MB), "greedy", replan=replan)
+    errors = [h for h in r.pool.history if h["error"]]
+    assert errors and "no plan for the budget lowered to" in errors[0]["error"]
+    assert r.fits and r.error is None and 250 * MB <= r.pool.effective_budget_bytes < 300 * MB
 
 
 def test_bad_pool_arguments():

@@ -371,37 +371,44 @@ def simulate_pooled(
     if not math.isfinite(capacity):  # an unlimited budget is not lowered: the arena is only measured
         return _finish(rounds[0], rounds, pool, plan, limit, replan, solve_s, None)
     high = rounds[0]  # the lowest budget so far whose arena does not fit, above any that fits
-    # no budget below the largest set of tensors one op needs can run
-    floor = int(trace.working_set_bytes.max()) if trace.n_ops else 0
+    # no budget below the largest set of tensors one op needs can run; a budget that
+    # could not be planned or run raises this floor
+    working_set = int(trace.working_set_bytes.max()) if trace.n_ops else 0
+    floor = working_set
+    gap = TOLERANCE * capacity
     step = 0.0
-    while fit is None or (fit is not rounds[0] and high.budget - fit.budget > TOLERANCE * capacity):
-        if len(rounds) >= max_rounds:
-            break
-        if fit is None:
-            last = rounds[-1]
+    while len(rounds) < max_rounds:
+        last = rounds[-1]
+        if fit is not None:  # bisect between the highest fit and the lowest miss above it
+            if fit is rounds[0] or high.budget - fit.budget <= gap:
+                break
+            budget = math.floor((fit.budget + high.budget) / 2)
+        elif last.error is not None:  # that budget cannot run: search between it and the miss
+            floor = max(floor, math.floor(last.budget) + 1)
+            if high.budget - floor <= gap:
+                break
+            budget = math.floor((floor + high.budget) / 2)
+        else:  # step down by the overflow, doubling while the arena still does not fit
             if last.budget <= floor:
-                break  # already at the minimum working set: nothing lower can run
+                break  # already at the floor: nothing lower can run
             step = max(float(last.arena - limit), 2 * step)
             budget = max(floor, math.floor(last.budget - step))
-        else:
-            budget = math.floor((fit.budget + high.budget) / 2)
         r = run(budget, False)
         rounds.append(r)
-        if r.error is not None:
-            if fit is None:
-                break  # nothing lower can run: give up
-            high = r
-        elif r.arena <= limit:
+        if r.error is None and r.arena <= limit:
             fit = r if fit is None or r.budget > fit.budget else fit
-        else:
-            high = r
+        elif r.error is None or fit is not None:
+            high = r  # a miss, or a failure above the fit (the arena is not monotone)
     if fit is None:
-        last = rounds[-1]
-        lowest = ("the minimum working set" if last.budget <= floor
-                  else f"{last.budget:.0f} bytes, after {len(rounds)} rounds")
-        error = last.error or (f"the {pool} arena needs {last.arena} bytes, over the budget of {limit:.0f}, "
-                               f"at every budget tried, down to {lowest}")
-        return _finish(last, rounds, pool, plan, limit, replan, solve_s, error)
+        tried = [r for r in rounds if r.error is None]
+        low = min(tried, key=lambda r: r.budget)
+        lowest = f"{low.budget:.0f} bytes" + (" (the minimum working set)" if low.budget <= working_set else "")
+        error = (f"the {pool} arena needs {low.arena} bytes, over the budget of {limit:.0f}, at every budget "
+                 f"tried ({len(rounds)} rounds, down to {lowest})")
+        failed = [r for r in rounds if r.error is not None]
+        if failed:
+            error += f"; {failed[-1].error}"
+        return _finish(low, rounds, pool, plan, limit, replan, solve_s, error)
     return _finish(fit, rounds, pool, plan, limit, replan, solve_s, None)
 
 
