@@ -262,3 +262,33 @@ def test_tier_repair_swaps_a_slow_arrival_with_a_fast_tier_stay(gpt):
     new = repair(trace, small, plan, res, 1.0, frozenset({"tier"}))
     if new is not None:  # the validator may refuse it (then the loop skips it)
         assert not new.reactive and len(new.moves) == len(plan.moves)
+
+
+def test_reorder_repair_delays_one_queued_eviction_within_the_budget(gpt):
+    # A planned plan whose op waits for room: one eviction queued ahead of the ones it
+    # waits for is issued later, before the stalled op, and the plan stays valid.
+    import numpy as np
+
+    from tierflow.plan import Plan
+    from tierflow.policies._tierflow_loop import _reorder_repair, simulate_score
+
+    trace, hw = gpt
+    budget = int(trace.peak_live_bytes * 0.35)
+    plan = Plan("x", make_plan("deeptm", trace, hw, budget=budget, episodes=1).moves, budget_bytes=budget)
+    _, res = simulate_score(trace, hw, plan)
+    found = False
+    for k in np.argsort(-res.op_stall_s, kind="stable")[:20].tolist():
+        if res.op_stall_s[k] <= 0:
+            break
+        moves, changed = _reorder_repair(trace, hw, plan, res, np.array([k]), list(plan.moves))
+        if not changed:
+            continue
+        diff = [(a, b) for a, b in zip(plan.moves, moves) if a != b]
+        assert len(diff) == 1
+        old, new = diff[0]
+        assert old.kind == new.kind == "evict" and old.tensor == new.tensor and old.tier == new.tier
+        assert old.after_op < new.after_op <= k - 1
+        validate(Plan("x", tuple(moves), budget_bytes=budget), trace, hw)
+        found = True
+        break
+    assert found, "some op of a tight planned plan should wait for queued evictions"

@@ -17,6 +17,9 @@ Seeds are candidate plans from this package's planners (tierflow's own greedy pa
 * a **slow-tier arrival** (a tensor an op waited for coming back from the SSD) swaps
   tiers with one that waited in host memory with time to spare (see
   :func:`_tier_repairs`).
+* a planned plan's **urgent evictions** (an op waited for room that evictions still
+  queued would free) go sooner: the eviction queued ahead of them that the budget lets
+  wait longest is reissued later (see :func:`_reorder_repair`).
 
 :func:`improve` applies a kind of repair to every stall at once; :func:`improve_targeted`
 to one stall at a time, longest first. A repair is kept only if the simulated step gets
@@ -50,7 +53,7 @@ def _op_before(ends: np.ndarray, t: float) -> int:
 
 
 def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
-           kinds: frozenset[str] = frozenset({"late", "fault", "room", "wasted", "tier"}),
+           kinds: frozenset[str] = frozenset({"late", "fault", "room", "wasted", "tier", "reorder"}),
            only: frozenset[int] | None = None) -> Plan | None:
     """One round of stall repairs (see the module docstring) of the given ``kinds``
     (``late`` prefetches, ``fault`` hints, ``room`` waits); None if there is nothing to
@@ -89,6 +92,8 @@ def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
         moves, changed = _wasted_repairs(trace, res, moves, factor, only)
     if "tier" in kinds:
         moves, changed = _tier_repairs(trace, hw, res, stalled, moves)
+    if "reorder" in kinds and not plan.reactive:
+        moves, changed = _reorder_repair(trace, hw, plan, res, stalled, moves)
     if plan.reactive and "room" in kinds:
         added += _room_repairs(trace, plan, res, stalled, factor)
         changed = changed or bool(added)
@@ -264,6 +269,58 @@ def _tier_repairs(trace: Trace, hw: Hardware, res, stalled: np.ndarray,
     return moves, changed
 
 
+def _reorder_repair(trace: Trace, hw: Hardware, plan: Plan, res, stalled: np.ndarray,
+                    moves: list[Move]) -> tuple[list[Move], bool]:
+    """Let a planned plan's **urgent evictions** go sooner. An op of a planned plan
+    that waits for room waits for evictions still queued (they free room only when
+    complete, and a copy queue is first in, first out). Of the evictions queued ahead
+    of those it waits for, the one the budget lets wait longest (by the planned device
+    curve, as :func:`tierflow.plan.validate` counts it) is reissued that much later, up
+    to just before the stalled op: one move per repair (delaying every one of them at
+    once lost on ViT: the ops in between then wait). Returns (moves, whether changed)."""
+    if not stalled.size:
+        return moves, False
+    starts, ends, stall = res.op_start_s, res.op_end_s, res.op_stall_s
+    try:
+        curve = validate(Plan(plan.policy, tuple(moves), budget_bytes=plan.budget_bytes), trace, hw)
+    except PlanError:
+        return moves, False
+    dev = curve.tier_bytes[hw.device].astype(np.float64)
+    budget = float(plan.budget_bytes)
+    ev_index = {(m.tensor, m.after_op): i for i, m in enumerate(moves) if m.kind == "evict"}
+    evicts = [r for r in res.transfers if r.kind == "evict"]
+    k = int(stalled[0])
+    ready = starts[k] - stall[k]
+    urgent = [r for r in evicts if ready - 1e-12 < r.end_s <= starts[k] + 1e-12]
+    if not urgent:
+        return moves, False
+    first = min(r.issue_s for r in urgent)
+    best = None
+    for r in evicts:
+        # queued before the urgent ones and still on the link after they were issued
+        if r.issue_s >= first or r.end_s <= first:
+            continue
+        t = int(r.tensor)
+        a = _op_before(ends, r.issue_s + 1e-12)
+        i = ev_index.get((t, a))
+        if i is None or a >= k - 1:
+            continue
+        uses = trace.uses(t)
+        nxt = uses[uses > a]
+        pf = [m.after_op for m in moves if m.tensor == t and m.kind == "prefetch" and m.after_op > a]
+        hi = min([k - 1] + [p - 1 for p in pf] + ([int(nxt[0]) - 1] if nxt.size else []))
+        room = dev[a + 1 : hi + 1] + float(trace.sizes[t]) <= budget
+        last = a + (room.size if room.all() else int(np.argmin(room)))
+        if last > a and (best is None or (last - a, r.nbytes) > best[0]):
+            best = ((last - a, r.nbytes), i, last)
+    if best is None:
+        return moves, False
+    _, i, last = best
+    m = moves[i]
+    moves[i] = Move("evict", m.tensor, last, m.tier)
+    return moves, True
+
+
 def _room_repairs(trace: Trace, plan: Plan, res, stalled: np.ndarray, factor: float) -> list[Move]:
     """Eviction hints for a reactive plan's **room waits**: when op ``k`` stalled while the
     pager evicted tensors on demand (to make room for its faults or births), those
@@ -332,7 +389,7 @@ def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: i
 
 
 def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: int,
-                     groups: tuple[tuple[str, ...], ...] = (("wasted", "late", "tier"), ("room", "fault")),
+                     groups: tuple[tuple[str, ...], ...] = (("wasted", "late", "tier", "reorder"), ("room", "fault")),
                      factor: float = 1.0):
     """Hill-climb ``plan`` one stall at a time: the op that stalled longest (in the
     current simulation) not tried yet gets each kind of repair alone, restricted to its

@@ -34,7 +34,9 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    **wasted prefetch** (prefetched, then evicted again before any op used it, then
    fetched back) is reissued after the eviction, just in time for its use, and a
    tensor an op waited for while it came back from the SSD swaps tiers with one that
-   waited in host memory with time to spare. A repair is
+   waited in host memory with time to spare, and in a planned plan, where an op waits
+   for room that queued evictions would free, an eviction queued ahead of them that
+   the budget lets wait is issued later. A repair is
    kept only if the simulated step gets shorter, so tierflow is never worse than its
    seeds by construction; what it gains beyond them is the repair's (measured in
    BENCHMARKS.md).
