@@ -525,7 +525,9 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     scored = []
     seeds = _seeds(trace, hardware, options, opts, size)
     reply = None
+    cpu: dict[str, float] = {}  # CPU seconds per seed, planning and its simulation
     while True:
+        c1 = time.process_time()
         try:
             name, plan = seeds.send(reply)
         except StopIteration:
@@ -542,6 +544,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             validate(plan, trace, hardware)
         score, res = simulate_score(trace, hardware, plan)
         scored.append((score, len(scored), name, plan, res))
+        cpu[name] = time.process_time() - c1
         if score <= ideal:
             break
         if name.startswith("g10") and score > _G10_NEAR * min(s[0] for s in scored):
@@ -557,6 +560,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         from ..errors import PolicyError
         from . import get_policy
 
+        c1 = time.process_time()
         try:
             dtm = get_policy("deeptm")(trace, hardware, PolicyOptions(
                 budget, options.seed, {"episodes": size.deeptm_episodes, "time_budget_s": math.inf}))
@@ -566,9 +570,11 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             scored.sort(key=lambda x: (x[0], x[1]))
         except (PlanError, PolicyError):
             pass
+        cpu["deeptm"] = time.process_time() - c1
     score, _, name, plan, res = scored[0]
     seed_score = score
     used = 0
+    c1 = time.process_time()
     if score > ideal:
         # all stalls at once first (cheap, large steps), then one stall at a time
         # with what is left of the budget (small steps; see improve_targeted)
@@ -589,6 +595,8 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             "planning_cpu_s": time.process_time() - c0,
             "seed": name,
             "seed_scores": {n: s for s, _, n, _, _ in scored},
+            "seed_cpu_s": cpu,
+            "repair_cpu_s": time.process_time() - c1,
             "seed_step_s": seed_score,
             "repair_simulations": used,
             "budget": {"repair_rounds": size.repair_rounds, "g10_variants": size.g10_variants,
