@@ -155,6 +155,14 @@ FIXED = [
     # one needed last was issued before one needed first
     ("deeptm", 4, [1, 30, 3, 5, 1, 7, 1, 1, 1, 1, 1, 1, 8, 3, 4, 1, 2, 1], [1] * 14,
      52_999_992, 1.0, 0.05, "host-memory", 1.5),
+    # deeptm: with room in host memory the ILP's cost tied host and SSD, and the solver
+    # sent to the SSD what it had sent to host memory before
+    ("deeptm", 4, [1, 36, 1, 9, 1, 4, 1, 1, 1, 1, 1, 1, 5, 1, 1, 2, 1, 1], [1] * 14,
+     48_000_000, 4.0, 0.05, "host-memory", 1.5),
+    # deeptm: the host's capacity rows changed the LP's fractional answer, and the greedy
+    # repair of it kept a 1 MB unit that the next one made redundant
+    ("deeptm", 4, [1, 3, 17, 25, 44, 4, 1, 1, 1, 1, 19, 1, 49, 6, 46, 1, 1, 1], [1] * 14,
+     196_000_000, 1.0, 0.05, "host-memory", 1.5),
     # g10: with room in host memory a 3 MB eviction joined a 1 MB one on the host's copy
     # queue, ahead of it, and the room a fault waited for came later
     ("g10", 3, [1, 3, 27, 1, 1, 1, 1, 1, 1, 1, 16, 1, 3, 1], [1, 1, 1, 1, 1, 7, 4, 3, 5, 1, 1],
@@ -168,6 +176,23 @@ def test_fixed_counterexamples(name, layers, sizes, ms, budget, pcie, host, kind
     base = simple_hw(pcie_gbps=pcie, host_gib=host)
     _, up = upgrade(kind, factor)
     assert _step(name, trace, up(base), budget) <= _step(name, trace, base, budget) * (1 + REL_TOL)
+
+
+# Known counterexample of a planned policy, caused by the same pager: g10's plan leaves
+# a 60 MB weight to the pager, which with 1.5x the host memory puts it in host memory
+# instead of on the SSD; a planned 2 MB eviction to host memory then finds no room and
+# the simulator sends it to the SSD, where it shares the PCIe link with the 9 MB
+# eviction queued to host memory and delays it (0.0900 s -> 0.0905 s).
+KNOWN = [
+    ("g10", 3, [1, 8, 60, 1, 1, 1, 1, 1, 1, 1, 9, 1, 2, 1], [1, 1, 1, 1, 1, 1, 3, 3, 2, 1, 1],
+     64_000_000, 4.0, 0.05, "host-memory", 1.5),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="the demand pager's host-memory anomaly (HOST_MEMORY_ANOMALY), through g10's leftovers")
+@pytest.mark.parametrize(("name", "layers", "sizes", "ms", "budget", "pcie", "host", "kind", "factor"), KNOWN)
+def test_known_counterexamples(name, layers, sizes, ms, budget, pcie, host, kind, factor):
+    test_fixed_counterexamples(name, layers, sizes, ms, budget, pcie, host, kind, factor)
 
 
 def test_deeptm_ilp_takes_the_small_unit_that_covers_the_deficit():

@@ -265,10 +265,27 @@ class _Ilp:
             trial[f] = -1
             trial = self._cover_rest(trial, cost, exclude=f)
             if trial is not None:
+                trial = self._prune(trial, cost)
                 c = self._cost_of(trial, cost)
                 if c < total * (1 - 1e-12):
                     choice, total, swaps = trial, c, swaps + 1
         return choice, swaps
+
+    def _prune(self, choice: np.ndarray, cost: np.ndarray) -> np.ndarray:
+        """``choice`` without the units it does not need: most expensive first, a unit
+        goes back to the device if every op stays covered without it (a greedy cover
+        can take a unit that later ones make redundant)."""
+        on = (choice >= 0) * self.size
+        slack = self.cover @ on - self.deficit  # bytes each op is covered beyond its deficit
+        cover_t = self.cover.T.tocsr()
+        taken = np.flatnonzero(choice >= 0)
+        for u in taken[np.lexsort((taken, -cost[taken, choice[taken]]))].tolist():
+            col = cover_t.indices[cover_t.indptr[u] : cover_t.indptr[u + 1]]
+            over = col[self.deficit[col] > 0]
+            if not over.size or (slack[over] - self.size[u] >= -0.5).all():
+                choice[u] = -1
+                slack[col] -= self.size[u]
+        return choice
 
     @staticmethod
     def _cost_of(choice: np.ndarray, cost: np.ndarray) -> float:
