@@ -266,9 +266,11 @@ def test_best_is_deterministic_under_a_node_limit():
 def test_search_gives_up_when_its_pools_are_capped(monkeypatch):
     """A problem whose search stack outgrows the pool cap: the search stops cleanly and
     best returns a valid answer no worse than greedy."""
-    from tierflow.pool import search
+    from tierflow.pool import lns, search
 
     monkeypatch.setattr(search, "MAX_POOL", 4096)
+    # the CP-SAT windows that follow a give-up would spend seconds here: a token budget
+    monkeypatch.setattr(lns, "DET_BUDGET", 0.02)
     bufs = [Buffer(f"w{i}", 0, 400, 1 + i % 3) for i in range(40)]
     bufs += [Buffer(f"t{i}", i, i + 3 + i % 7, 2 + (i * 13) % 9) for i in range(300)]
     p = Problem(tuple(bufs))

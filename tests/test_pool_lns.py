@@ -3,14 +3,19 @@ validity, never worse, determinism, and a case only the window step solves)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierflow import pool
-from tierflow.pool import Buffer, Problem, lns
-from tierflow.pool.greedy import best_fit, size_order
+from tierflow.pool import Buffer, Problem, best, lns
+from tierflow.pool.exact import solve_exact
+from tierflow.pool.greedy import best_fit, size_order, solve_greedy
 from tierflow.pool.repair import repair
 
 pytest.importorskip("ortools")
@@ -53,7 +58,10 @@ def test_window_step_reaches_the_bound_the_repair_misses():
     assert facts["steps"] and facts["steps"][-1][-1] == p.lower_bound
 
 
-def test_best_uses_the_window_step_when_nothing_else_reaches_the_bound():
+def test_best_uses_the_window_step_when_nothing_else_reaches_the_bound(monkeypatch):
+    # best frees windows only on large problems (or where the search gave up): lower
+    # the threshold so this five-buffer one takes that path
+    monkeypatch.setattr(best, "LNS_MIN_BUFFERS", 0)
     p = WINDOW
     s = pool.solve(p, "best", time_limit=600, node_limit=0)
     assert pool.validate(p, s.offsets, s.peak).valid
@@ -62,6 +70,7 @@ def test_best_uses_the_window_step_when_nothing_else_reaches_the_bound():
 
 
 def test_best_without_ortools_skips_the_window_step(monkeypatch):
+    monkeypatch.setattr(best, "LNS_MIN_BUFFERS", 0)
     monkeypatch.setattr(lns, "available", lambda: False)
     p = WINDOW
     s = pool.solve(p, "best", time_limit=600, node_limit=0)
@@ -99,3 +108,48 @@ def test_improve_is_valid_never_worse_and_deterministic(case, steps):
     assert len(facts["steps"]) <= steps
     again, _ = lns.improve(p.lower, p.upper, p.units, start, p.lower_bound, max_steps=steps)
     assert np.array_equal(off, again)
+
+
+# HiGHS runs in a child process: OR-Tools and highspy each bundle a HiGHS build, and
+# whichever loads second in a process fails to import (undefined symbols)
+HIGHS_CHILD = """
+import json, sys
+from tierflow.pool import Buffer, Problem
+from tierflow.pool.exact import solve_exact
+out = []
+for bufs in json.load(sys.stdin):
+    s = solve_exact(Problem(tuple(Buffer(str(i), *b) for i, b in enumerate(bufs))), 20, backend="highs")
+    out.append([s.peak, s.optimal, s.meta.get("backend")])
+print(json.dumps(out))
+"""
+
+
+def test_exact_backends_agree_on_the_optimum():
+    # small problems where greedy misses the bound (else both return greedy's answer)
+    rng = np.random.default_rng(7)
+    cases = [[list(b) for b in [(10, 16, 6), (8, 11, 2), (5, 8, 6), (6, 11, 5), (0, 6, 6)]]]
+    while len(cases) < 10:
+        lo = rng.integers(0, 12, int(rng.integers(5, 9)))
+        bufs = [[int(a), int(a + rng.integers(1, 8)), int(rng.integers(1, 7))] for a in lo]
+        p = Problem(tuple(Buffer(str(i), *b) for i, b in enumerate(bufs)))
+        if solve_greedy(p).peak > p.lower_bound:
+            cases.append(bufs)
+    child = subprocess.run([sys.executable, "-c", HIGHS_CHILD], input=json.dumps(cases), capture_output=True,
+                           text=True, check=True, timeout=300)
+    highs = json.loads(child.stdout)
+    assert sum(h[0] < solve_greedy(Problem(tuple(Buffer(str(i), *b) for i, b in enumerate(bufs)))).peak
+               for bufs, h in zip(cases, highs)) >= 3  # the premise: the MILP beats greedy on several
+    for bufs, (h_peak, h_opt, h_backend) in zip(cases, highs):
+        p = Problem(tuple(Buffer(str(i), *b) for i, b in enumerate(bufs)))
+        c = solve_exact(p, time_limit=20, backend="cpsat")
+        assert pool.validate(p, c.offsets, c.peak).valid
+        assert p.lower_bound <= c.peak <= solve_greedy(p).peak
+        assert c.meta["backend"] == "cpsat" and h_backend in ("highs", None)
+        assert c.optimal  # a handful of buffers: CP-SAT proves it at once
+        if h_opt:
+            assert c.peak == h_peak
+
+
+def test_exact_rejects_an_unknown_backend():
+    with pytest.raises(pool.PoolError, match="unknown backend"):
+        solve_exact(WINDOW, backend="gurobi")

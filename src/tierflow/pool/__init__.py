@@ -9,8 +9,8 @@ validator apart:
 * :class:`Problem` / :class:`Buffer`, :func:`read_csv` / :func:`write_csv` (MiniMalloc
   CSV), :func:`from_trace` (a tier's stays under a plan), :func:`lower_bound`;
 * :func:`solve` with ``solver="greedy"`` (greedy by size, best fit), ``"best"``
-  (anytime search, never worse than greedy) or ``"exact"`` (a MILP through HiGHS, for
-  small problems);
+  (anytime search, never worse than greedy) or ``"exact"`` (CP-SAT, or a MILP through
+  HiGHS without OR-Tools, for small problems);
 * :func:`validate` / :func:`check`.
 
 Example::

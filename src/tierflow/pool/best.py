@@ -15,7 +15,8 @@
 3. Time left over (the search stopped early or gave up, as it does on tens of
    thousands of buffers) goes to :func:`.repair.repair`, band-lifting moves on the
    incumbent that are kept only when they lower its peak.
-4. Time still left goes to :func:`.lns.improve` (when OR-Tools is installed): CP-SAT
+4. Time still left, on problems of :data:`LNS_MIN_BUFFERS` buffers or more or where
+   the search gave up, goes to :func:`.lns.improve` (when OR-Tools is installed): CP-SAT
    re-places the buffers that start or end in a time window around a buffer at the
    peak, everything else fixed. It starts from the incumbent and from the repair's
    placement with the fewest buffers above the bound (which may peak higher: one
@@ -57,6 +58,9 @@ RANDOM_ORDERS = 6
 LB_WEIGHT = 2
 # band-lifting moves the final repair may try (its deterministic budget)
 REPAIR_MOVES = 8
+# the CP-SAT windows run on problems of at least this many buffers, or where the search
+# gave up (on the hard small set they found nothing the search had not)
+LNS_MIN_BUFFERS = 1000
 # placements between two looks at the clock
 STEP = 1 << 13
 
@@ -192,8 +196,10 @@ def solve_best(
     else:
         fewest = None
 
-    # 4. CP-SAT windows (module lns) from the incumbent and from the repair's start
-    if best_cost > lb and n and time.perf_counter() < deadline and lns.available():
+    # 4. CP-SAT windows (module lns) from the incumbent and from the repair's start, on
+    # problems the search cannot finish: small ones it settles better by itself
+    if (best_cost > lb and (gave_up or n >= LNS_MIN_BUFFERS) and time.perf_counter() < deadline
+            and lns.available()):
         starts = [("lns", best_off)]
         if fewest is not None and not np.array_equal(fewest, best_off):
             starts.append(("repair+lns", fewest))
@@ -202,7 +208,7 @@ def solve_best(
             if best_cost <= lb or time.perf_counter() >= deadline:
                 break
             off, facts = lns.improve(lower, upper, units, start, lb, deadline=deadline, seed=seed)
-            meta["lns"].append({"start": label, "steps": len(facts["steps"]), "peak": cost(off) * gcd * problem.alignment})
+            meta["lns"].append({"start": label, "steps": len(facts["steps"]), "det_time": facts["det_time"], "peak": cost(off) * gcd * problem.alignment})
             if cost(off) < best_cost:
                 best_off, best_cost, best_from = off, cost(off), label
         report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)

@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("file", help="MiniMalloc CSV: id,lower,upper,size (lifetime [lower, upper))")
     p.add_argument("--solver", choices=SOLVERS, default="best", help="greedy: by size, best fit; "
-                   "best: anytime search, never worse than greedy; exact: MILP (small problems)")
+                   "best: anytime search, never worse than greedy; exact: CP-SAT (or a HiGHS MILP) for small problems")
     p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds for best/exact (default 10)")
     p.add_argument("--alignment", type=int, default=1, metavar="B", help="offsets are multiples of B bytes")
     p.add_argument("--seed", type=int, default=0, help="seed of best's randomised restarts")

@@ -1,10 +1,17 @@
-"""``exact``: a mixed-integer model solved by HiGHS, for small problems.
+"""``exact``: minimal-peak offsets for small problems, by CP-SAT or a HiGHS MILP.
 
-Variables: an offset per buffer and the peak; for every pair of buffers live at the same
-time, one binary chooses which lies below the other (big-M disjunction). Minimise the
-peak. Greedy's peak bounds the offsets, which keeps big-M tight; the lower bound is
-added as a constraint on the peak so HiGHS can stop as soon as it meets it. The number
-of binaries grows with the pairs, so this is for problems of a few dozen buffers.
+With OR-Tools installed the model goes to CP-SAT: an offset variable per buffer, one
+``NoOverlap2D`` over the (lifetime, bytes) rectangles, minimise the highest top, which
+is bounded below by the lower bound and above by greedy's peak (greedy's offsets are
+the hint). Everything is an integer: a proof of optimality is exact.
+
+Without it, HiGHS solves a mixed-integer model: for every pair of buffers live at the
+same time, one binary chooses which lies below the other (big-M disjunction, with
+greedy's peak as M and the lower bound on the peak, so HiGHS can stop as soon as it
+meets it). The number of binaries grows with the pairs; at byte-sized coefficients its
+tolerances can blur a byte, which the CP model cannot.
+
+Either way this is for problems of a few dozen buffers (:data:`MAX_PAIRS`).
 """
 
 from __future__ import annotations
@@ -13,30 +20,44 @@ import time
 
 import numpy as np
 
+from . import lns
 from ._graph import overlap_pairs
 from .greedy import solve_greedy
 from .problem import PoolError, Problem, Solution, lower_bound, peak_of
 
 MAX_PAIRS = 5000
+BACKENDS = ("auto", "cpsat", "highs")
 
 
-def solve_exact(problem: Problem, time_limit: float = 10.0) -> Solution:
-    """Minimal-peak offsets (proven when HiGHS finishes within the time limit).
+def solve_exact(problem: Problem, time_limit: float = 10.0, backend: str = "auto") -> Solution:
+    """Minimal-peak offsets (proven when the solver finishes within the time limit).
+
+    Args:
+        problem: the buffers.
+        time_limit: seconds the solver may use.
+        backend: ``"cpsat"``, ``"highs"`` or ``"auto"`` (CP-SAT when OR-Tools is
+            installed, else HiGHS).
 
     Raises:
-        PoolError: the problem has more than :data:`MAX_PAIRS` overlapping pairs, or
-            highspy is not installed.
+        PoolError: the problem has more than :data:`MAX_PAIRS` overlapping pairs, an
+            unknown backend, or the backend's package is not installed.
     """
     t0 = time.perf_counter()
-    try:
-        import highspy
-    except ImportError as e:  # an optional dependency ("solver" extra)
-        raise PoolError(f"solver 'exact' needs highspy (pip install 'tierflow[solver]'): {e}") from None
-    n = len(problem)
+    if backend not in BACKENDS:
+        raise PoolError(f"exact: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     greedy = solve_greedy(problem)
     a, b = overlap_pairs(problem.lower, problem.upper)
     if len(a) > MAX_PAIRS:
         raise PoolError(f"solver 'exact': {len(a)} overlapping pairs, more than the {MAX_PAIRS} it handles")
+    if backend == "cpsat" or (backend == "auto" and lns.available()):
+        if not lns.available():
+            raise PoolError("exact backend 'cpsat' needs ortools (pip install 'tierflow[solver]')")
+        return _solve_cpsat(problem, time_limit, greedy, t0, len(a))
+    try:
+        import highspy
+    except ImportError as e:  # an optional dependency ("solver" extra)
+        raise PoolError(f"solver 'exact' needs highspy or ortools (pip install 'tierflow[solver]'): {e}") from None
+    n = len(problem)
     units = problem.units
     lb = lower_bound(problem, units=True)
     big = int((greedy.offsets // problem.alignment + units).max()) if n else 0
@@ -72,7 +93,7 @@ def solve_exact(problem: Problem, time_limit: float = 10.0) -> Solution:
     sol = h.getSolution()
     if not sol.value_valid:
         greedy.solver, greedy.seconds = "exact", time.perf_counter() - t0
-        greedy.meta = {"status": h.modelStatusToString(status)}
+        greedy.meta = {"status": h.modelStatusToString(status), "backend": "highs"}
         return greedy
     off_units = np.rint(np.asarray(sol.col_value[:n])).astype(np.int64)
     offsets = off_units * problem.alignment
@@ -86,5 +107,36 @@ def solve_exact(problem: Problem, time_limit: float = 10.0) -> Solution:
         solver="exact",
         seconds=time.perf_counter() - t0,
         optimal=status == highspy.HighsModelStatus.kOptimal or peak == problem.lower_bound,
-        meta={"status": h.modelStatusToString(status), "pairs": p},
+        meta={"status": h.modelStatusToString(status), "pairs": p, "backend": "highs"},
+    )
+
+
+def _solve_cpsat(problem: Problem, time_limit: float, greedy: Solution, t0: float, pairs: int) -> Solution:
+    """The CP-SAT model: every non-empty buffer free, capped at greedy's peak."""
+    units = problem.units
+    keep = np.flatnonzero(units > 0)
+    lb = lower_bound(problem, units=True)
+    g_units = greedy.offsets // problem.alignment
+    cap = int((g_units + units).max()) if len(problem) else 0
+    if not len(keep) or cap <= lb:
+        greedy.solver, greedy.seconds, greedy.optimal = "exact", time.perf_counter() - t0, True
+        greedy.meta = {"status": "OPTIMAL", "backend": "cpsat"}
+        return greedy
+    new, status = lns.solve_window(
+        problem.lower, problem.upper, units, g_units, keep, cap, det_time=1e9,
+        deadline=t0 + max(time_limit, 0.1), floor=lb,
+    )
+    off_units = g_units if new is None else new
+    offsets = off_units * problem.alignment
+    peak = peak_of(problem, offsets)
+    if peak > greedy.peak:  # cannot happen (greedy is the hint and the cap); kept as a guard
+        offsets, peak = greedy.offsets, greedy.peak
+    return Solution(
+        offsets=offsets,
+        peak=peak,
+        lower_bound=problem.lower_bound,
+        solver="exact",
+        seconds=time.perf_counter() - t0,
+        optimal=status == "OPTIMAL" or peak == problem.lower_bound,
+        meta={"status": status, "pairs": pairs, "backend": "cpsat"},
     )

@@ -7,21 +7,27 @@ at different heights, and closing it means shuffling the buffers around those
 instants from the bottom of the arena up. A greedy rule or a band lift cannot do that;
 an exact solver on the window can.
 
-One step: take a buffer that reaches the peak, a window of time around it (its
-lifetime when short, else its tightest instant), and *free* every buffer live in the
-window; all others stay where they are and become obstacles. The freed buffers keep
-their lifetimes; their offsets are variables whose domains already exclude the byte
-ranges fixed buffers occupy at overlapping times, and they may not overlap each other
-(one ``NoOverlap2D`` over (time, bytes) rectangles). OR-Tools CP-SAT minimises their
-highest top below the current peak, starting from the current offsets as a hint.
-Integer offsets and sizes are exact in CP-SAT: no big-M, no tolerance.
+One step: take a buffer that reaches the peak and a window of time around it (its
+lifetime when short, else its tightest instant), and *free* the buffers that start or
+end inside the window; all others stay where they are and become obstacles (those
+live across the whole window are mostly long-lived ones that cannot move anyway). The
+freed buffers keep their lifetimes; their offsets are variables whose domains already
+exclude the byte ranges fixed buffers occupy at overlapping times, and they may not
+overlap each other (one ``NoOverlap2D`` over (time, bytes) rectangles). OR-Tools
+CP-SAT minimises their highest top below the current peak, starting from the current
+offsets as a hint. Integer offsets and sizes are exact in CP-SAT: no big-M, no
+tolerance. On pangu_2.6B such a window of a dozen buffers swaps two pairs of large
+buffers and settles in milliseconds what band lifting could not.
 
-A step that finds nothing widens the window (:data:`MARGINS` sections on each side)
-until the window would free more than :data:`MAX_FREE` buffers; then the next buffer
-at the peak is tried. The search stops at the target, at the deadline, or when every
-buffer at the peak failed at every width. CP-SAT runs on one worker with a fixed seed
-and a deterministic time budget per step, so with a wall deadline that does not bind
-the result depends only on the input and the seed.
+A step that proves the window cannot go lower widens it (:data:`MARGINS` sections on
+each side) until it would free more than :data:`MAX_FREE` buffers; a step that runs
+out of budget undecided ends the widening. Then the same windows free every buffer
+live in them (up to :data:`MAX_FREE_ALL`), then the next buffer at the peak is tried.
+The search stops at the target, at the deadline, at its step or deterministic-time
+budget, or when no window around any of the first :data:`TRIES` buffers at the peak
+lowers it. CP-SAT runs on one worker with a fixed seed under deterministic time
+limits, so with a wall deadline that does not bind the result depends only on the
+input and the seed.
 
 CP-SAT (``ortools``) is an optional dependency, imported only here; :func:`available`
 says whether it can be used.
@@ -43,9 +49,12 @@ MAX_FREE_ALL = 300
 # a buffer spanning more sections than this gets a window around its tightest instant
 # rather than around its whole lifetime
 SPAN = 64
-# CP-SAT's deterministic time budget per step (its own work unit; on these models one
-# unit took 3 to 9 CPU seconds): a window it cannot settle in this is left for the next
-STEP_DET_TIME = 1.0
+# CP-SAT's deterministic time budget per step and for a whole improve() call, in its
+# own work unit: one unit took from 3 to 20 CPU seconds on these models, while every
+# window that settled pangu_2.6B took under 0.01. A window it cannot settle in this
+# is left, and no wider one around the same buffer is tried (it would be harder)
+STEP_DET_TIME = 0.05
+DET_BUDGET = 0.5
 # buffers at the peak tried per peak level before giving up
 TRIES = 4
 
@@ -101,12 +110,16 @@ def solve_window(
     det_time: float,
     deadline: float,
     seed: int = 0,
+    floor: int = 0,
+    stats: dict[str, float] | None = None,
 ) -> tuple[np.ndarray | None, str]:
     """Re-place the buffers ``free`` with every top at most ``cap``, the others fixed.
 
-    Minimises the highest top of the freed buffers. Returns (new offsets or None, the
-    CP-SAT status name); None when no placement was found within the budget (or none
-    exists: status ``INFEASIBLE``).
+    Minimises the highest top of the freed buffers, known to be at least ``floor``.
+    Returns (new offsets or None, the CP-SAT status name); None when no placement was
+    found within the budget (or none exists: status ``INFEASIBLE``). ``OPTIMAL``
+    means no placement of the freed buffers has a lower highest top. ``stats``, when
+    given, receives CP-SAT's ``wall_time`` and ``deterministic_time``.
     """
     from ortools.sat.python import cp_model
 
@@ -119,7 +132,6 @@ def solve_window(
     o_end = o_off + units[obs]
     m = cp_model.CpModel()
     xs, ys, vs = [], [], []
-    floor = 0
     for i in free.tolist():
         near = (o_lo < upper[i]) & (o_hi > lower[i])
         dom = allowed_offsets(int(units[i]), cap, o_off[near], o_end[near])
@@ -132,7 +144,7 @@ def solve_window(
         ys.append(m.new_fixed_size_interval_var(v, int(units[i]), f"b{i}"))
         vs.append(v)
         floor = max(floor, int(units[i]) + dom[0][0])
-    top = m.new_int_var(floor, cap, "top")
+    top = m.new_int_var(min(floor, cap), cap, "top")
     for v, i in zip(vs, free.tolist()):
         m.add(top >= v + int(units[i]))
     m.add_no_overlap_2d(xs, ys)
@@ -145,6 +157,9 @@ def solve_window(
     p.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
     status = solver.solve(m)
     name = solver.status_name(status)
+    if stats is not None:
+        stats["wall_time"] = solver.wall_time
+        stats["deterministic_time"] = solver.deterministic_time
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, name
     new = offsets.copy()
@@ -161,7 +176,8 @@ def improve(
     deadline: float = float("inf"),
     seed: int = 0,
     max_steps: int = 64,
-    det_time: float = STEP_DET_TIME,
+    det_time: float | None = None,
+    det_budget: float | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Lower the peak of a valid placement by CP-SAT window steps (module docstring).
 
@@ -173,13 +189,20 @@ def improve(
         deadline: ``time.perf_counter()`` value after which no step starts (and the
             running one stops).
         seed: CP-SAT's seed.
-        max_steps: CP-SAT calls at most (the deterministic budget, with ``det_time``).
-        det_time: CP-SAT's deterministic time limit per call.
+        max_steps: CP-SAT calls at most.
+        det_time: CP-SAT's deterministic time limit per call (default
+            :data:`STEP_DET_TIME`).
+        det_budget: no call starts once the calls so far used this much deterministic
+            time (default :data:`DET_BUDGET`; with ``max_steps``, the budget that does
+            not depend on the clock).
 
     Returns:
         (offsets, facts): a valid placement whose peak is at most the input's, and a dict
-        with the steps run, each as (buffers freed, CP-SAT status, peak after).
+        with the steps run, each as (kind, margin, buffers freed, CP-SAT status, peak
+        after), the deterministic time used and the final peak.
     """
+    det_time = STEP_DET_TIME if det_time is None else det_time
+    det_budget = DET_BUDGET if det_budget is None else det_budget
     off = np.asarray(offsets, dtype=np.int64).copy()
     facts: dict[str, Any] = {"steps": []}
     n = len(units)
@@ -191,14 +214,22 @@ def improve(
     s1 = np.searchsorted(pts, upper)
     live = units > 0
     peak = int((off + units).max())
-    while peak > target and len(facts["steps"]) < max_steps and time.perf_counter() < deadline:
+    used = 0.0  # CP-SAT deterministic time so far
+
+    def spent() -> bool:
+        return len(facts["steps"]) >= max_steps or used >= det_budget or time.perf_counter() >= deadline
+
+    while peak > target and not spent():
         crit = np.flatnonzero(off + units >= peak)
         # shortest-lived first: its window is the smallest; ties by index
         crit = crit[np.lexsort((crit, s1[crit] - s0[crit]))]
         improved = False
+        hard: tuple[int, str] | None = None  # the last (buffer, kind) CP-SAT could not settle
         for b, kind, margin in _neighbourhoods(crit):
-            if time.perf_counter() >= deadline or len(facts["steps"]) >= max_steps:
+            if spent():
                 break
+            if hard == (b, kind):
+                continue
             a, z = _window(lower, upper, units, int(b), pts, s0, s1, margin)
             inside = live & (s0 < z) & (s1 > a)
             if kind == "ends":  # buffers live across the whole window stay put
@@ -206,15 +237,20 @@ def improve(
             free = np.union1d(np.flatnonzero(inside), crit)
             if len(free) > (MAX_FREE if kind == "ends" else MAX_FREE_ALL):
                 continue
-            new, status = solve_window(lower, upper, units, off, free, peak - 1, det_time, deadline, seed)
+            st: dict[str, float] = {}
+            new, status = solve_window(lower, upper, units, off, free, peak - 1, det_time, deadline, seed, stats=st)
+            used += st.get("deterministic_time", 0.0)
             new_peak = peak if new is None else int((new + units).max())
             facts["steps"].append((kind, margin, len(free), status, new_peak))
             if new is not None and new_peak < peak:
                 off, peak, improved = new, new_peak, True
                 break
+            if status == "UNKNOWN":
+                hard = (b, kind)
         if not improved:
             break
     facts["peak"] = peak
+    facts["det_time"] = round(used, 3)
     return off, facts
 
 

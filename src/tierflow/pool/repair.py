@@ -130,6 +130,7 @@ def repair(
     peak = int((off + units).max())
     best, best_peak = off, peak
     score = _score(off, units, target)
+    last = 0.0  # seconds the last placement took
     for _ in range(max_moves):
         if best_peak <= target or time.perf_counter() >= deadline:
             break
@@ -138,9 +139,13 @@ def repair(
         t = _tightest_instant(lower, upper, units, b)
         improved = False
         for fixed, order, tight in _moves(lower, upper, units, off, t):
-            if time.perf_counter() >= deadline:  # one placement takes seconds on 30k buffers
+            # one placement takes seconds on 30k buffers: start one only when the last
+            # one would still have fitted before the deadline
+            if time.perf_counter() + last > deadline:
                 break
+            t0 = time.perf_counter()
             new = place(lower, upper, units, off, fixed, order, tight)
+            last = time.perf_counter() - t0
             new_score = _score(new, units, target)
             if new_score < score:
                 off, score, improved = new, new_score, True
