@@ -7,8 +7,9 @@ this build has, and the physical bound (no plan can do better).
 Prints one markdown table: per case the ratio ideal/step of tierflow and of each other
 policy (simulated here), G10's published ratio (read from G10's files), the bound,
 tierflow's distance to it (bound - ratio), the seconds tierflow took to plan (wall clock
-and CPU time of this process: the CPU figure is less sensitive to a loaded machine), the
-seed its plan grew from and the repair simulations it ran, and the seconds the bound took
+and CPU time of this process: the CPU figure is less sensitive to a loaded machine; and the
+CPU seconds of that spent planning and simulating its deeptm seed), the seed its plan grew
+from and the repair simulations it ran, and the seconds the bound took
 to solve. Then the geometric means. Ratios of tierflow, G10 and the bound are printed to
 4 decimals (others to 3). A policy that fails on a case shows its error class instead of
 a number.
@@ -53,7 +54,7 @@ def main() -> None:
         else [p for p in policy_names() if p not in ("ideal", "tierflow")]
     )
     head = ["case", "tierflow", "G10 published"] + others + [
-        "bound", "distance", "plan s", "plan CPU s", "seed", "repairs", "bound s"]
+        "bound", "distance", "plan s", "plan CPU s", "of which deeptm seed", "seed", "repairs", "bound s"]
     print(f"Machine: {platform.machine()}, Python {platform.python_version()}; hardware preset {hw.name}\n")
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
@@ -79,14 +80,16 @@ def main() -> None:
         b = physical_bound(trace, hw, points=args.points)
         cols["bound"].append(b.bound_ratio)
         seed = str(plan.meta.get("seed", "")).replace("'", "").replace("g10_accounting", "books").replace("line_share", "line")
+        dtm_cpu = plan.meta.get("seed_cpu_s", {}).get("deeptm")
         row += [f"{b.bound_ratio:.4f}", f"{b.bound_ratio - ours:.4f}", f"{plan_s:.2f}", f"{plan_cpu:.2f}",
+                "" if dtm_cpu is None else f"{dtm_cpu:.2f}",
                 seed.replace("|", "/"), str(plan.meta.get("repair_simulations", "")), f"{b.seconds:.2f}"]
         print("| " + " | ".join(row) + " |", flush=True)
     n_cases = len(cols["tierflow"])
     gm = ["geomean", f"{_geomean(cols['tierflow']):.4f}", f"{_geomean(cols['G10 published']):.4f}"]
     # a policy that failed on some case has no comparable mean
     gm += [f"{_geomean(cols[p]):.3f}" if len(cols[p]) == n_cases else f"({len(cols[p])} of {n_cases} ran)" for p in others]
-    gm += [f"{_geomean(cols['bound']):.4f}", "", "", "", "", "", ""]
+    gm += [f"{_geomean(cols['bound']):.4f}", "", "", "", "", "", "", ""]
     print("| " + " | ".join(gm) + " |")
 
 
