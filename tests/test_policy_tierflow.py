@@ -292,3 +292,18 @@ def test_reorder_repair_delays_one_queued_eviction_within_the_budget(gpt):
         found = True
         break
     assert found, "some op of a tight planned plan should wait for queued evictions"
+
+
+def test_loop_scores_a_planned_plan_as_simulate_does(gpt):
+    # The loop must score a planned plan the way it will be run: with the persistent
+    # tensors whose gap wraps starting the iteration off the device (the validator says
+    # which), not all on it.
+    from tierflow.plan import Plan
+    from tierflow.policies._tierflow_loop import simulate_score
+
+    trace, hw = gpt
+    budget = int(trace.peak_live_bytes * 0.35)
+    plan = Plan("x", make_plan("deeptm", trace, hw, budget=budget, episodes=1).moves, budget_bytes=budget)
+    assert validate(plan, trace, hw).start_tier  # something starts off the device
+    score, _ = simulate_score(trace, hw, plan)
+    assert score == simulate(trace, hw, plan).time_s
