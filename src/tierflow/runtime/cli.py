@@ -3,12 +3,20 @@
 Example::
 
     tierflow train --model gpt-tiny --batch 4 --budget 50% --steps 8 --ssd-dir /tmp --check-parity
+    tierflow train --model gpt-tiny --budget 50% --steps 20 --check-parity --nproc 2 --strategy fsdp
+    torchrun --nproc-per-node 2 -m tierflow.cli train --model gpt-tiny --strategy ddp --check-parity
+
+Under ``torch.distributed`` (``--nproc N``, or started by torchrun: ``RANK``,
+``WORLD_SIZE`` and ``MASTER_ADDR`` set) every rank trains its slice of the batch under
+its own ``tierflow.offload``; rank 0 prints one row per rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 
 from .. import _cli_util as u
 from ..units import fmt_bytes, fmt_seconds
@@ -33,10 +41,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--check-parity", action="store_true",
                    help="also train without tierflow and compare losses, gradients, parameters bitwise")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train on N local processes under torch.distributed (gloo on CPU, nccl on CUDA), "
+                   "one tierflow.offload per rank; --batch is then per rank (as 'torchrun --nproc-per-node N "
+                   "-m tierflow.cli train ...')")
+    p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
+                   help="with --nproc or torchrun: DistributedDataParallel, or FSDP2 (fully_shard per block)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--report", default=None, metavar="HTML",
                    help="also write the HTML report of the followed plan, measured beside predicted")
     p.set_defaults(func=_train)
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """The ``tierflow train`` command line of one rank: these arguments less ``--nproc``."""
+    argv = ["train", "--model", args.model, "--steps", str(args.steps), "--device", args.device,
+            "--policy", args.policy, "--optimizer", args.optimizer, "--strategy", args.strategy]
+    for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--budget", args.budget),
+                    ("--ssd-dir", args.ssd_dir), ("--report", args.report)):
+        if v is not None:
+            argv += [flag, str(v)]
+    argv += ["--check-parity"] * bool(args.check_parity) + ["--json"] * bool(args.json)
+    return argv
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -50,6 +80,10 @@ def _train(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise TierflowError("--device cuda: CUDA is not available on this machine")
+    if args.nproc is not None and not _under_torchrun():
+        return _launch(args)
+    if _under_torchrun():
+        return _train_rank(args)
     res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=args.device,
                 policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
                 optimizer=args.optimizer)
@@ -103,3 +137,104 @@ def _write_report(path: str, res) -> None:
     )}
     write_report(path, run.trace, run.hardware, [run.prediction], measured=measured,
                  command=f"tierflow train --model {res.model}")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``--nproc N``: run this command on N local ranks; print rank 0's output and the
+    errors of ranks that failed."""
+    from ..errors import TierflowError
+    from .distributed import launch
+
+    if args.nproc < 1:
+        raise TierflowError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.nproc:
+            raise TierflowError(f"--nproc {args.nproc} --device cuda: only {torch.cuda.device_count()} GPU(s) here")
+    codes, outs, errs = launch(args.nproc, [sys.executable, "-m", "tierflow.cli", *_child_argv(args)])
+    sys.stdout.write(outs[0])
+    failed = [r for r, c in enumerate(codes) if c > 0]
+    texts: dict[str, list[int]] = {}  # every rank failing alike (a budget too small): said once
+    for r in failed:
+        if errs[r].strip():
+            texts.setdefault(errs[r].strip(), []).append(r)
+    for text, ranks in texts.items():
+        sys.stderr.write(text + ("\n" if len(texts) == 1 else f"  (rank{'s' * (len(ranks) > 1)} "
+                                                              f"{','.join(map(str, ranks))})\n"))
+    for r, c in enumerate(codes):
+        if c < 0 and c != -9:  # (-9: ended by the launcher after another rank failed)
+            tail = "\n".join(errs[r].strip().splitlines()[-5:])
+            sys.stderr.write(f"error: rank {r} was ended by signal {-c}" + (f":\n{tail}" if tail else "") + "\n")
+    if failed:
+        return codes[failed[0]]
+    return 1 if any(codes) else 0
+
+
+def _train_rank(args: argparse.Namespace) -> int:
+    """One rank of a distributed ``tierflow train``; rank 0 prints every rank's result."""
+    import torch
+    import torch.distributed as dist
+
+    from .training import train
+
+    device = args.device
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    try:
+        res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=device,
+                    policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
+                    optimizer=args.optimizer, strategy=args.strategy)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, res.to_dict())
+        if args.report and dist.get_rank() == 0:
+            _write_report(args.report, res)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    ok = all(r["parity"] is not False for r in every)
+    if res.rank != 0:
+        return 0 if ok else 1
+    digests = {r["stats"]["plan_digest"] for r in every}
+    parities = [r["parity"] for r in every]
+    summary = {
+        "world_size": len(every), "strategy": args.strategy,
+        "parity": None if any(p is None for p in parities) else all(parities),
+        "plans_agree": len(digests) == 1, "ranks": every,
+    }
+    if args.json:
+        u.print_json(summary)
+        return 0 if ok else 1
+    from rich.table import Table
+
+    r0 = every[0]
+    t = Table(title=f"tierflow train: {r0['model']} (batch {r0['batch']} per rank) on {len(every)} ranks, "
+                    f"{args.strategy}, {r0['device']}, policy {r0['policy']}")
+    t.caption = ("steps: all (profiled/planned/fell back); step: measured under tierflow; plain: the same "
+                 "distributed run without tierflow; host, ssd: bytes moved; plan: digest of the plan followed")
+    for col in ("rank", "steps", "step", "plain", "predicted", "peak / budget", "host", "ssd", "stalls", "plan",
+                "parity"):
+        t.add_column(col, justify="left" if col in ("plan", "parity") else "right")
+    for r in every:
+        s = r["stats"]
+        budget = "none" if r["budget_bytes"] is None else fmt_bytes(r["budget_bytes"])
+        t.add_row(
+            str(r["rank"]), f"{s['steps']} ({s['profiled_steps']}/{s['planned_steps']}/{s['reactive_steps']})",
+            fmt_seconds(s["step_time_s"]),
+            fmt_seconds(r["plain_step_time_s"]) if r["plain_step_time_s"] else "not run",
+            fmt_seconds(s["predicted_step_time_s"]) if s["predicted_step_time_s"] else "n/a",
+            f"{fmt_bytes(s['peak_device_bytes'])} / {budget}", fmt_bytes(s["moved_bytes"].get("host", 0)),
+            fmt_bytes(s["moved_bytes"].get("ssd", 0)), str(s["stalls"]), s["plan_digest"] or "none",
+            "not checked" if r["parity"] is None else ("bitwise equal" if r["parity"] else f"DIFFERS: {r['parity_detail']}"),
+        )
+    con = u.console()
+    con.print(t)
+    con.print(f"ranks follow the same plan: {'yes' if len(digests) == 1 else 'NO'}; parity is each rank's "
+              f"losses, gradients and parameters{' (its shards)' if args.strategy == 'fsdp' else ''} against the "
+              f"same {args.strategy} run without tierflow")
+    return 0 if ok else 1

@@ -36,6 +36,13 @@ resident on the device (a storage's death is seen through a weak reference); on 
 
 CUDA and CPU run the same code: :class:`~tierflow.runtime.streams.Copier` puts copies on
 a side stream with events on CUDA and runs them at once on CPU.
+
+Under torch.distributed (DDP, FSDP2) each rank runs its own executor. Collectives are
+ops too: their inputs are made resident before they start, and what they read or write
+is pinned while they are in flight (until their ``Work`` completes, or the program uses
+a result). Tensor subclasses (FSDP2's DTensors) are seen through the plain tensors
+inside them. Storages someone else resizes (FSDP2's unsharded parameters) are left to
+their owner. The ranks plan together: :mod:`tierflow.runtime.distributed`.
 """
 
 from __future__ import annotations
@@ -47,13 +54,13 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ..errors import PlanError, PolicyError, TierflowError
 from ..hardware import Compute, Hardware, Link, Tier, load_hardware
@@ -87,6 +94,10 @@ class _Entry:
     bounce: int = -1  # SSD: bounce slot holding the bytes (write in flight, or read landed)
     io: Any = None  # SSD: the Future of the write or read in flight
     arrival: Any = None  # CUDA: event of the copy that brought it back
+    pins: int = 0  # collectives in flight that read or write it: not to be moved
+    touched: bool = False  # an op used it after the collective that pinned it
+    foreign: bool = False  # resized by someone else (FSDP's unsharded parameters): never moved
+    top: int = 0  # largest size seen (a foreign storage's size changes under us)
 
     @property
     def persistent(self) -> bool:
@@ -134,6 +145,15 @@ class RunStats:
         policy: the policy that made the current plan.
         host_pool_bytes, ssd_file_bytes: the tiers' pre-allocated sizes.
         host_pool_peak: highest bytes in use in the host pool.
+        rank, world_size: this process in ``torch.distributed`` (0 and 1 without it).
+        plan_digest: digest of the plan followed (the same on every rank when they
+            agree: see :mod:`tierflow.runtime.distributed`).
+        collectives: collective ops (``c10d``) seen in iterations and outside them.
+        busy_refusals: moves refused because a collective still in flight reads or
+            writes the storage (a DDP bucket, an FSDP reduce-scatter output).
+        foreign_storages: storages another owner resizes (FSDP's unsharded
+            parameters), which the runtime leaves alone and only accounts: those alive
+            at the end of the last iteration.
     """
 
     steps: int = 0
@@ -167,6 +187,12 @@ class RunStats:
     host_pool_bytes: int = 0
     ssd_file_bytes: int = 0
     host_pool_peak: int = 0
+    rank: int = 0
+    world_size: int = 1
+    plan_digest: str | None = None
+    collectives: int = 0
+    busy_refusals: int = 0
+    foreign_storages: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -190,6 +216,67 @@ def _budget_spec(budget: str | int | float | None) -> tuple[float | None, float 
         return float(parse_bytes(budget)), None
     except ValueError as e:
         raise PolicyError(f"budget: {e}") from None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_COMM_NS = ("c10d::", "_c10d_functional::", "c10d_functional::")
+_MANAGED_NS = ("fsdp::",)  # FSDP2's copy-in/copy-out ops: what they write, FSDP resizes
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds ``t``'s bytes: ``t`` itself, or for a wrapper subclass
+    with one inner tensor (a DTensor: its local shard) that tensor."""
+    while type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+        inner = _inner(t)
+        if len(inner) != 1:
+            break
+        t = inner[0]
+    return t
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass flattens to (a DTensor also names its mesh)."""
+    attrs, _ = t.__tensor_flatten__()
+    return [x for x in (getattr(t, a) for a in attrs) if isinstance(x, torch.Tensor)]
+
+
+def _unwrap(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensor subclasses replaced by the plain tensors inside them (all of them)."""
+    out: list[torch.Tensor] = []
+    stack = list(reversed(ts))
+    while stack:
+        t = stack.pop()
+        if type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+            stack += reversed(_inner(t))
+        else:
+            out.append(t)
+    return out
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return _plain(t).untyped_storage().nbytes()
+
+
+def _works(out: Any) -> list[Any]:
+    """The ``Work`` handles a c10d op returned (its completion frees what it pinned)."""
+    found = []
+    for x in pytree.tree_leaves(out):
+        if isinstance(x, torch.ScriptObject):
+            try:
+                found.append(torch._C._distributed_c10d.Work.unbox(x))
+            except (AttributeError, RuntimeError, TypeError):
+                pass
+    return found
+
+
+_KIND: dict[Any, int] = {}  # op -> 0 plain, 1 collective, 2 FSDP-managed copy
+
+
+def _op_kind(func, name: str) -> int:
+    k = _KIND.get(func)
+    if k is None:
+        k = _KIND[func] = 1 if name.startswith(_COMM_NS) else 2 if name.startswith(_MANAGED_NS) else 0
+    return k
 
 
 def _u8(st: torch.UntypedStorage, n: int) -> torch.Tensor:
@@ -249,7 +336,7 @@ class _Mode(TorchDispatchMode):
         self.run = run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.run._on_op(func, args, kwargs or {})
+        return self.run._on_op(func, args, kwargs or {}, types)
 
 
 def _measure_copy_bw(device: torch.device) -> float:
@@ -283,6 +370,7 @@ class Run:
         ssd_bytes: int | str | None = None,
         io_workers: int = 2,
         policy_options: dict[str, Any] | None = None,
+        sync_ranks: bool = True,
     ):
         self.model, self.optimizer = model, optimizer
         p = next(model.parameters(), None)
@@ -297,6 +385,9 @@ class Run:
         self._hardware_arg = hardware
         self._host_bytes, self._ssd_bytes = host_bytes, ssd_bytes
         self._io_workers = io_workers
+        self._sync_ranks = sync_ranks
+        self._sync: Any = None  # a distributed.RankSync while the block is open, with >1 ranks
+        self._copy_bw: float | None = None  # agreed by the ranks before planning
         self.stats = RunStats(budget_bytes=self.budget)
         self.trace: Trace | None = None
         self.prediction: Any = None  # SimResult of the plan being followed
@@ -307,7 +398,7 @@ class Run:
 
     # == lifecycle ==========================================================================
     def __enter__(self) -> Run:
-        model_bytes = sum(t.untyped_storage().nbytes() for t in self._state_tensors())
+        model_bytes = sum(_storage_bytes(t) for t in self._state_tensors())
         # Default pool sizes: weights, gradients and two Adam moments, plus the budget's
         # worth of activations. Enough for every plan whose host tier fits these sizes (the
         # planner is told them); pass host_bytes/ssd_bytes to trade memory for spilling.
@@ -334,7 +425,17 @@ class Run:
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         self._in_iter = False
+        self._recording = self._planned = self._hinted = False
+        self._iter_peak = 0
         self._need_profile = True
+        self._iters_begun = 0
+        self._inflight: list[tuple[list[Any], list[_Entry], list[_Entry]]] = []  # (Works, pinned, written)
+        self._foreign: dict[int, _Entry] = {}
+        from .distributed import RankSync, world
+
+        self.stats.rank, self.stats.world_size = world()
+        if self._sync_ranks and self.stats.world_size > 1:
+            self._sync = RankSync()
         self._max_out = 0
         self._step_kinds: list[str] = []
         self._in_step = False
@@ -344,7 +445,7 @@ class Run:
         for n, b in self.model.named_buffers():
             self._label(self._entry(b), "parameter", f"buffer:{n}", n)
         self._label_opt_state()
-        self._hooks = [self.model.register_forward_pre_hook(self._on_forward)]
+        self._hooks = [self.model.register_forward_pre_hook(self._on_forward, prepend=True)]
         for n, p in self.model.named_parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
@@ -384,6 +485,9 @@ class Run:
             if self.device.type == "cuda":
                 self.stats.cuda_max_allocated = int(torch.cuda.max_memory_allocated(self.device))
         finally:
+            if self._sync is not None:
+                self._sync.close()
+                self._sync = None
             self.stats.host_pool_peak = self._host.arena.peak
             self._host.close()
             if self._ssd is not None:
@@ -391,6 +495,8 @@ class Run:
             self._entries.clear()
             self._lru.clear()
             self._by_key.clear()
+            self._inflight.clear()
+            self._foreign.clear()
         if errors and exc is None:
             raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
 
@@ -417,7 +523,13 @@ class Run:
         self._planned = not self._recording and self.plan is not None and not self.plan.reactive
         self._hinted = not self._recording and self.plan is not None and self.plan.reactive
         self._stale = False
-        self._warmup = self.optimizer is not None and not any(self.optimizer.state.values())
+        # (an optimizer still without state after one step keeps none: SGD without momentum)
+        self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
+        # DDP rebuilds its gradient buckets in its second forward (other ops, other
+        # tensors): profile after that
+        if getattr(self.model, "_has_rebuilt_buckets", None) is False and self._iters_begun < 2:
+            self._warmup = True
+        self._iters_begun += 1
         self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
         self._sigs: list[tuple] = []
         if self._planned:  # persistent tensors the plan starts the iteration without
@@ -437,6 +549,7 @@ class Run:
         self._label_opt_state()
         self._in_iter = False
         self._in_step = False
+        self.stats.foreign_storages = sum(1 for e in self._foreign.values() if e.ref() is not None)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # once per step, for the step time
         dt = time.perf_counter() - self._t0
@@ -449,13 +562,33 @@ class Run:
             st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._iter_peak)
         if self._planned and not self._stale and self._op != self.trace.n_ops:
             self._mark_stale(f"the iteration ran {self._op} ops, the trace has {self.trace.n_ops}")
+        want = self._recording and not self._warmup
+        if self._sync is not None:
+            # the ranks plan together or not at all (planning calls collectives): one
+            # that profiled while another followed its plan makes them all profile again
+            self._quiet = True
+            try:
+                every, some = self._sync.agree(want)
+            finally:
+                self._quiet = False
+            if some and not every:
+                want = False
+                self._need_profile = True
         if self._recording:
             st.profiled_steps += 1
             self._quiet = True  # planning allocates (a bandwidth probe): not the user's ops
             try:
                 trace = self._build_trace()
-                if not self._warmup:
+                if want:
+                    if self._sync is not None:
+                        trace = self._agree_trace(trace)
                     self._make_plan(trace)
+                    if self._sync is not None:
+                        self._sync.check_same(
+                            "made different plans", self.stats.plan_digest or "",
+                            f" from the same trace with policy {self.stats.policy!r}: the policy is not a pure "
+                            "function of the trace and hardware (a wall-clock limit?); pass sync_ranks=False "
+                            "to let each rank follow its own plan")
                     self._need_profile = False
             finally:
                 self._quiet = False
@@ -472,21 +605,25 @@ class Run:
         self._iter_tid, self._iter_entries = {}, []
 
     # == the op handler ====================================================================
-    def _on_op(self, func, args, kwargs):
+    def _on_op(self, func, args, kwargs, types=()):
         if self._quiet:
             return func(*args, **kwargs)
         self._quiet = True  # our own copies and resizes below are not the user's ops
         try:
-            return self._handle(func, args, kwargs)
+            return self._handle(func, args, kwargs, types)
         finally:
             self._quiet = False
 
-    def _handle(self, func, args, kwargs):
-        if self._dead or self._frees or self._writes:
+    def _handle(self, func, args, kwargs, types=()):
+        if self._dead or self._frees or self._writes or self._inflight:
             self._reap()
         if self._pending:
             self._issue_pending()
         tensors = _leaves(args) + (_leaves(list(kwargs.values())) if kwargs else [])
+        if types:  # tensor subclasses (DTensor): the plain tensors inside hold the bytes; the
+            # subclass runs its own ops on them below this mode, unseen, so they are made
+            # resident here
+            tensors = _unwrap(tensors)
         if self._untracked:
             for t in tensors:
                 e = self._entries.get(t.untyped_storage()._cdata) if t.device.type == self.device.type else None
@@ -494,11 +631,14 @@ class Run:
                     self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
                     self._ensure_resident(e)
             return func(*args, **kwargs)
+        name = _op_name(func)
+        special = _op_kind(func, name)
+        if special == 2 and self._foreign:  # FSDP has just re-allocated what this op fills
+            self._sync_foreign()
         ins = [e for e in (self._entry(t) for t in tensors) if e is not None]
         in_iter = self._in_iter
         i = self._op if in_iter else -1
         sig = None
-        name = _op_name(func)
         if in_iter and (self._recording or self._planned):
             sig = (name, tuple((tuple(t.shape), t.dtype) for t in tensors))
             if self._planned and not self._stale and (i >= len(self._trace_sigs) or self._trace_sigs[i] != sig):
@@ -509,13 +649,18 @@ class Run:
         self._make_room(away + expect, ins)
         for e in ins:
             self._ensure_resident(e)
+            if e.pins and not special:
+                e.touched = True
         t0 = time.perf_counter() if self._recording else 0.0
         out = func(*args, **kwargs)
         dur = time.perf_counter() - t0 if self._recording else 0.0
         label = f"{name}#{i}"
-        outs = [e for e in (self._entry(t, label) for t in _leaves(out)) if e is not None]
+        leaves = _leaves(out)
+        outs = [e for e in (self._entry(t, label) for t in (_unwrap(leaves) if types else leaves)) if e is not None]
         new_bytes = 0
-        for t in _written_args(func, args, kwargs):
+        written = _written_args(func, args, kwargs)
+        n_fresh = len(outs)
+        for t in (_unwrap(written) if types else written):
             e = self._entry(t, label)
             if e is None:
                 continue
@@ -524,7 +669,10 @@ class Run:
             if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
                 self._device_bytes += st.nbytes() - e.nbytes
                 new_bytes += max(0, st.nbytes() - e.nbytes)
+                e.top = max(e.top, e.nbytes)
                 e.nbytes = st.nbytes()
+        if special:
+            self._on_special(special, out, ins, outs, outs[n_fresh:])
         for e in ins + outs:
             if e.cdata in self._lru:
                 self._lru.move_to_end(e.cdata)
@@ -554,12 +702,65 @@ class Run:
             self._op += 1
         return out
 
+    def _on_special(self, kind: int, out: Any, ins: list[_Entry], outs: list[_Entry], wrote: list[_Entry]) -> None:
+        """After a collective (``kind`` 1): every storage it reads or writes is pinned
+        until its ``Work`` completes (a gloo thread or an NCCL kernel still uses the
+        bytes after the op returns; no ``Work``: pinned for the storage's life). After
+        one of FSDP2's copy ops (``kind`` 2): what it wrote is FSDP's to resize, never
+        ours to move."""
+        if kind == 1:
+            self.stats.collectives += 1
+            ents = list({e.cdata: e for e in ins + outs}.values())
+            for e in ents:
+                e.pins += 1
+                e.touched = False
+            works = _works(out)
+            if works:
+                self._inflight.append((works, ents, wrote))
+        else:
+            for e in wrote:
+                self._make_foreign(e)
+
+    def _unpin(self, e: _Entry) -> bool:
+        """Try to free ``e`` of the collectives that pinned it: those that completed
+        have; if the program used ``e`` since (a program waits on a collective before
+        it uses the result), wait on them too: that returns at once. Whether ``e`` is
+        free now."""
+        self._inflight = [r for r in self._inflight
+                          if not self._release(r, force=e.touched and any(x is e for x in r[1]))]
+        return e.pins == 0
+
+    def _make_foreign(self, e: _Entry) -> None:
+        """``e`` is resized by someone else (FSDP frees and re-allocates its unsharded
+        parameters with ``untyped_storage().resize_``): never move it, keep its size."""
+        if e.foreign:
+            return
+        e.foreign, e.resizable = True, False
+        self._lru.pop(e.cdata, None)
+        self._foreign[e.cdata] = e
+
+    def _sync_foreign(self) -> None:
+        """Account foreign storages at the size their owner left them (looked at when
+        the budget or the peak is in question: a storage FSDP grows again is then
+        written by an op, which accounts it)."""
+        for e in list(self._foreign.values()):
+            st = e.ref()
+            if st is None:
+                continue
+            n = st.nbytes()
+            if n != e.nbytes and e.state == RESIDENT:
+                self._device_bytes += n - e.nbytes
+                e.top = max(e.top, e.nbytes, n)
+                e.nbytes = n
+
     def _phase(self) -> str:
         return "optimizer" if getattr(self, "_in_step", False) else "forward"
 
     def _note_peak(self) -> None:
         if self._device_bytes > self._iter_peak:
-            self._iter_peak = self._device_bytes
+            if self._foreign:  # (FSDP may have freed some since: count them as they are)
+                self._sync_foreign()
+            self._iter_peak = max(self._iter_peak, self._device_bytes)
 
     # == storages ==========================================================================
     def _entry(self, t: torch.Tensor, produced_by: str | None = None) -> _Entry | None:
@@ -567,12 +768,17 @@ class Run:
         device or has no storage."""
         if getattr(t, self._dev_attr) is not True:  # is_cpu / is_cuda: cheaper than t.device
             return None
+        if type(t) not in _PLAIN:
+            t = _plain(t)
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return None
         cdata = st._cdata
         e = self._entries.get(cdata)
+        if e is not None and e.ref() is None:  # a storage died and a new one took its address
+            self._retire(e)
+            e = None
         if e is None:
             n = int(st.nbytes())
             e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata: self._dead.append(c)),
@@ -630,7 +836,8 @@ class Run:
             self._quiet = q
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        e = self._entries.get(t.untyped_storage()._cdata) if t.device.type == self.device.type else None
+        p = _plain(t) if type(t) not in _PLAIN else t
+        e = self._entries.get(p.untyped_storage()._cdata) if p.device.type == self.device.type else None
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
             q, self._quiet = self._quiet, True
             try:
@@ -723,6 +930,10 @@ class Run:
         more bytes fit the budget."""
         if self._device_bytes + need <= self.budget:
             return
+        if self._foreign:  # storages FSDP freed still count at their old size until looked at
+            self._sync_foreign()
+            if self._device_bytes + need <= self.budget:
+                return
         if self._in_step:  # state the optimizer created in this step is evictable too
             self._label_opt_state()
         pinned = {e.cdata for e in keep}
@@ -755,6 +966,13 @@ class Run:
     def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
         st = e.ref()
         if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
+            return False
+        if e.pins and not self._unpin(e):
+            self.stats.busy_refusals += 1
+            return False
+        if st.nbytes() != e.nbytes:  # resized behind our back: its owner manages it
+            self._make_foreign(e)
+            self._sync_foreign()
             return False
         n = e.nbytes
         if tier == "ssd" and self._ssd is None:
@@ -854,6 +1072,9 @@ class Run:
         n = e.nbytes
         if st is None:
             return
+        if st.nbytes() != 0:  # its owner grew it again while it was away: the bytes are theirs now
+            self._drop_away(e, st)
+            return
         if e.tier == "host":
             st.resize_(n)
             dst = _u8(st, n)
@@ -889,6 +1110,28 @@ class Run:
         self._count(f"{tier}->device", tier or "host", n)
         if e.kind in OWNED:
             self._lru[e.cdata] = e
+
+    def _drop_away(self, e: _Entry, st: torch.UntypedStorage) -> None:
+        """Forget the copy of an away storage that someone else re-allocated (and will
+        fill): give back its slots, account it resident, never move it again."""
+        if e.tier == "host":
+            self._host.arena.release(e.slot, e.nbytes)
+        elif self._ssd is not None:
+            if e.io is not None:
+                try:
+                    e.io.result()
+                except OSError:
+                    pass
+                if e in self._writes:
+                    self._writes.remove(e)
+                e.io = None
+            if e.bounce >= 0:
+                self._ssd.bounce.release(e.bounce, e.nbytes)
+            self._ssd.arena.release(e.slot, e.nbytes)
+        e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
+        e.nbytes = int(st.nbytes())
+        self._device_bytes += e.nbytes
+        self._make_foreign(e)
 
     def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
         """Retire an SSD write: release its bounce slot, or on failure put the tensor back
@@ -943,29 +1186,11 @@ class Run:
         """Retire what finished: dead storages, completed copies (slots freed), SSD
         writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
         while self._dead:
-            e = self._entries.pop(self._dead.popleft(), None)
-            if e is None:
-                continue
-            self._lru.pop(e.cdata, None)
-            self._iter_tid.pop(e.cdata, None) if self._in_iter else None
-            if e.state == RESIDENT:
-                self._device_bytes -= e.nbytes
-            else:  # died while away: give its slots back
-                if e.io is not None:
-                    try:
-                        e.io.result()
-                    except OSError:
-                        pass
-                    if e in self._writes:
-                        self._writes.remove(e)
-                if e.bounce >= 0 and self._ssd is not None:
-                    self._ssd.bounce.release(e.bounce, e.nbytes)
-                if e.tier == "host":
-                    self._host.arena.release(e.slot, e.nbytes)
-                elif self._ssd is not None:
-                    self._ssd.arena.release(e.slot, e.nbytes)
-            if e.key and self._by_key.get(e.key) is e:
-                del self._by_key[e.key]
+            e = self._entries.get(self._dead.popleft())
+            if e is not None and e.ref() is None:  # (alive: the address holds a new storage)
+                self._retire(e)
+        if self._inflight:
+            self._inflight = [r for r in self._inflight if not self._release(r)]
         while self._frees and (wait or Copier.done(self._frees[0][0])):
             ev, arena, off, n = self._frees.popleft()
             Copier.synchronize(ev)
@@ -974,6 +1199,50 @@ class Run:
             self._finish_write(e, wait=wait)
         # SSD reads that completed stay in their bounce slot until the tensor is first used:
         # landing them earlier would spend device bytes the plan has not made room for
+
+    def _retire(self, e: _Entry) -> None:
+        """Forget a storage that died (its device bytes, or its slots while away)."""
+        if self._entries.get(e.cdata) is not e:
+            return
+        del self._entries[e.cdata]
+        self._lru.pop(e.cdata, None)
+        self._iter_tid.pop(e.cdata, None) if self._in_iter else None
+        if self._foreign.get(e.cdata) is e:
+            del self._foreign[e.cdata]
+        if e.state == RESIDENT:
+            self._device_bytes -= e.nbytes
+        else:  # died while away: give its slots back
+            if e.io is not None:
+                try:
+                    e.io.result()
+                except OSError:
+                    pass
+                if e in self._writes:
+                    self._writes.remove(e)
+            if e.bounce >= 0 and self._ssd is not None:
+                self._ssd.bounce.release(e.bounce, e.nbytes)
+            if e.tier == "host":
+                self._host.arena.release(e.slot, e.nbytes)
+            elif self._ssd is not None:
+                self._ssd.arena.release(e.slot, e.nbytes)
+        if e.key and self._by_key.get(e.key) is e:
+            del self._by_key[e.key]
+
+    def _release(self, rec: tuple[list[Any], list[_Entry], list[_Entry]], force: bool = False) -> bool:
+        """Unpin what an in-flight collective pinned, if it is over: its ``Work`` says
+        it completed, or the program used a storage the collective writes (a program
+        waits on a collective before it uses the result; gloo's reduce-scatter never
+        says it completed), or ``force``: then wait on it (at once when it is done).
+        Whether it was released."""
+        works, ents, wrote = rec
+        if not all(w.is_completed() for w in works):
+            if not (force or any(x.touched for x in wrote)):
+                return False
+            for w in works:
+                w.wait()
+        for x in ents:
+            x.pins -= 1
+        return True
 
     # == stale plans, profiling, planning ==================================================
     def _mark_stale(self, why: str) -> None:
@@ -1003,8 +1272,8 @@ class Run:
                 for p in g["params"]:
                     if p.grad is None:
                         continue
-                    b = p.untyped_storage().nbytes() + p.grad.untyped_storage().nbytes()
-                    b += sum(v.untyped_storage().nbytes() for v in self.optimizer.state.get(p, {}).values()
+                    b = _storage_bytes(p) + _storage_bytes(p.grad)
+                    b += sum(_storage_bytes(v) for v in self.optimizer.state.get(p, {}).values()
                              if isinstance(v, torch.Tensor) and v.device.type == self.device.type)
                     group = group + b if fused else max(group, b)
                 if group > worst:
@@ -1022,11 +1291,31 @@ class Run:
             kind = e.kind
             if kind == "temporary" and e.name == "<pre-existing>" and e.ref() is not None:
                 kind = "parameter"  # held across iterations outside any op: model state
-            tensors.append(TensorInfo(i, int(e.nbytes), kind, kind in ("parameter", "optimizer_state"), e.name, e.key))
+            tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, kind in ("parameter", "optimizer_state"),
+                                      e.name, e.key))
         trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": "measured"})
         self._trace_sigs_next = list(self._sigs)
         return trace
+
+    def _agree_trace(self, trace: Trace) -> Trace:
+        """The trace every rank plans from: the same ops and tensors on every rank (else
+        :class:`~tierflow.runtime.distributed.RankMismatchError`), each op timed at the
+        slowest rank's measurement; the CPU copy bandwidth, the slowest rank's."""
+        from .distributed import trace_digest
+
+        sync = self._sync
+        sync.check_same(
+            "profiled different iterations",
+            f"{trace.n_ops} ops, {len(trace.tensors)} tensors, digest {trace_digest(trace)}",
+            ": each rank must run the same ops on tensors of the same sizes (same per-rank batch shape, "
+            "even shards) to share a plan; pass sync_ranks=False to let each rank plan alone")
+        slowest = sync.slowest([o.duration_s for o in trace.ops])
+        if self.device.type == "cpu" and self._hardware_arg is None:
+            self._copy_bw = sync.min(_measure_copy_bw(self.device))
+        ops = tuple(replace(o, duration_s=d) for o, d in zip(trace.ops, slowest))
+        return Trace(ops, trace.tensors, name=trace.name,
+                     meta=dict(trace.meta, timing=f"measured, slowest of {sync.world_size} ranks"))
 
     def _hardware_for(self, trace: Trace) -> Hardware:
         if self.device.type == "cuda":
@@ -1042,8 +1331,10 @@ class Run:
             return hw
         if self._hardware_arg is not None:
             return load_hardware(self._hardware_arg)
-        bw = _measure_copy_bw(self.device)
+        bw = self._copy_bw if self._copy_bw is not None else _measure_copy_bw(self.device)
         total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if self._sync is not None:
+            total = self._sync.min(total)
         tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
                  Tier("host", "host", float(self._host.capacity))]
         links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
@@ -1107,6 +1398,9 @@ class Run:
             self.prediction = None
         self.stats.ideal_step_time_s = trace.ideal_s
         self.stats.policy = plan.policy
+        from .distributed import plan_digest
+
+        self.stats.plan_digest = plan_digest(plan)
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
         self._layout = self._plan_layout(trace, plan, hw)
@@ -1210,6 +1504,10 @@ def offload(
         ssd_bytes: the SSD file's size (same default), allocated up front.
         io_workers: SSD I/O threads (2: enough to keep one NVMe busy from Python).
         policy_options: extra options for the policy (``lookahead`` for deepum, ...).
+        sync_ranks: under ``torch.distributed`` with more than one rank (DDP, FSDP2:
+            each rank opens its own ``offload``), plan from one trace on every rank and
+            check that the plans agree (see :mod:`tierflow.runtime.distributed`);
+            ``False``: each rank plans alone, and the runtime calls no collective.
 
     Returns:
         A :class:`Run`; use it as a context manager.
@@ -1218,6 +1516,8 @@ def offload(
         BudgetError: the budget is below the minimum working set.
         SSDError: the SSD file cannot be created (filesystem full) or I/O failed.
         OffloadError: the host pool is full and there is no SSD to spill to.
+        RankMismatchError: (an ``OffloadError``) the ranks profiled different iterations
+            or made different plans; raised on every rank.
 
     Example:
         >>> import torch, tierflow

@@ -1,5 +1,7 @@
 """Train a zoo model under :func:`~tierflow.runtime.offload`: what ``tierflow train`` and
-the demo run, with an optional bitwise parity check against plain PyTorch."""
+the demo run, with an optional bitwise parity check against plain PyTorch (or, under
+``torch.distributed`` with a ``strategy``, against the same DDP or FSDP2 run without
+tierflow, each rank checking its own losses, gradients and parameters)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Any
 
 import torch
 
+from ..errors import TierflowError
 from ..units import fmt_bytes, fmt_seconds
-from .executor import PolicyArg, RunStats, offload
+from .executor import PolicyArg, RunStats, _plain, offload
 
 
 @dataclass
@@ -41,6 +44,9 @@ class TrainResult:
     parity_detail: str = ""
     plain_step_time_s: float | None = None
     wall_s: float = 0.0
+    strategy: str | None = None
+    rank: int = 0
+    world_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
     run: Any = field(default=None, repr=False, compare=False)
 
@@ -63,6 +69,9 @@ class TrainResult:
             "losses": self.losses,
             "stats": s.to_dict(),
             "parity_detail": self.parity_detail,
+            "strategy": self.strategy,
+            "rank": self.rank,
+            "world_size": self.world_size,
         }
 
 
@@ -77,8 +86,8 @@ def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=c
         loss = loss_fn(model(x), y)
         loss.backward()
         with aside():
-            if keep_grads:
-                grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            if keep_grads:  # (a DTensor's: this rank's shard)
+                grads.append([None if p.grad is None else _plain(p.grad).clone() for p in model.parameters()])
             losses.append(loss.detach().clone())
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -96,7 +105,7 @@ def _compare(a_losses, a_grads, b_losses, b_grads, a_model, b_model) -> tuple[bo
             if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
                 return False, f"step {i}: gradient of {n} differs"
     for (n, p), q in zip(a_model.named_parameters(), b_model.parameters()):
-        if not torch.equal(p, q):
+        if not torch.equal(_plain(p), _plain(q)):  # this rank's shard of a DTensor: no collective
             return False, f"final parameter {n} differs"
     return True, ""
 
@@ -113,6 +122,7 @@ def train(
     seq: int | None = None,
     optimizer: str = "adamw",
     seed: int = 0,
+    strategy: str | None = None,
     **options: Any,
 ) -> TrainResult:
     """Train zoo model ``model`` for ``steps`` steps under :func:`offload`.
@@ -129,6 +139,13 @@ def train(
             batch) and compare every loss, every gradient and the final parameters
             bitwise. Doubles the work.
         optimizer: ``adamw`` (lr 1e-3) or ``sgd`` (momentum 0.9, lr 1e-2).
+        strategy: with ``torch.distributed`` initialised, ``"ddp"`` (the model in
+            ``DistributedDataParallel``) or ``"fsdp"`` (FSDP2: ``fully_shard`` on every
+            block of the model's ``ModuleList``s, then on the model). ``batch`` is then
+            per rank: every rank draws the same global batch of ``batch x world size``
+            and takes its own slice. The parity check compares this rank's losses,
+            gradients and parameters (its shards under FSDP2) with the same
+            distributed run without tierflow.
         options: passed to :func:`offload` (``host_bytes``, ``policy_options``, ...).
 
     Raises:
@@ -136,18 +153,28 @@ def train(
         :func:`offload`.
     """
     from ..capture import zoo
+    from .distributed import world
 
     spec = zoo.spec(model)
     batch = spec.batch if batch is None else batch
     if spec.seq is None:
         seq = None
+    rank, size = world()
+    if strategy is not None and strategy not in ("ddp", "fsdp"):
+        raise TierflowError(f"unknown strategy {strategy!r} (strategies: ddp, fsdp)")
 
     def build():
         m = zoo.build(model, device=device, seed=seed)
-        params = list(m.model.parameters())
+        net = _wrap(m.model, strategy, torch.device(device))
+        params = list(net.parameters())
         opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
                else torch.optim.SGD(params, lr=1e-2, momentum=0.9))
-        return m, opt
+        make = m.make_batch
+        if strategy is not None:
+            def make(b, t=None, _make=m.make_batch):  # this rank's slice of the global batch
+                x, y = _make(b * size, t)
+                return x[rank * b:(rank + 1) * b].contiguous(), y[rank * b:(rank + 1) * b].contiguous()
+        return m._replace(model=net, make_batch=make), opt
 
     t_start = time.perf_counter()
     plain = None
@@ -169,9 +196,32 @@ def train(
         parity, detail = _compare(plain[1], plain[2], l1, g1, plain[0].model, m1.model)
     res = TrainResult(model, batch, device, policy if isinstance(policy, str) else "custom", steps,
                       [float(x) for x in l1], run.stats, parity, detail, plain_time,
-                      time.perf_counter() - t_start)
+                      time.perf_counter() - t_start, strategy, rank, size)
     res.run = run  # the profiled trace, plan and prediction, for reports (not in to_dict)
     return res
+
+
+def _wrap(net: torch.nn.Module, strategy: str | None, device: torch.device) -> torch.nn.Module:
+    """``net`` under DDP or FSDP2 (see :func:`train`), or as it is."""
+    if strategy is None:
+        return net
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TierflowError(f"strategy {strategy!r}: torch.distributed is not initialised "
+                            "(run under torchrun, or 'tierflow train --nproc N')")
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for mod in list(net.modules()):
+        if isinstance(mod, torch.nn.ModuleList):
+            for block in mod:
+                fully_shard(block)
+    fully_shard(net)
+    return net
 
 
 def demo_run(model: str = "gpt-tiny", steps: int = 6, ssd_dir: str | None = None, budget: str = "50%",
