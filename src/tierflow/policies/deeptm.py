@@ -20,8 +20,14 @@ Its parts, as built here:
    round-trip transfer time (the route's latency and bandwidth), weighted up by its
    heat, plus the part of it its gap cannot hide. It is solved by HiGHS
    (``scipy.optimize.milp``), with the over-budget ops added as rows in rounds
-   (cutting planes) until the whole memory curve holds. Then each prefetch is issued
-   as early as the budget allows.
+   (cutting planes) until the whole memory curve holds. For speed the MIP runs over
+   the binaries its LP relaxation leaves fractional; the answer is then improved by a
+   bounded local search (drop a fractional or expensive unit, cover again greedily,
+   drop what became redundant) and ties between equally costly tiers go to the
+   fastest tier with room, so that a machine with more room or faster links does not
+   get a dearer placement by accident of the LP's rounding. Then each prefetch is
+   issued as early as the budget allows; moves issued at one op go smallest eviction
+   first and prefetches in the order they are needed.
 4. **Weights learned by reinforcement learning against the simulator**: a seeded
    Gaussian policy over the weights' logits (REINFORCE with a running baseline); an
    episode = build the plan with sampled weights, simulate it, reward = ideal / step
@@ -135,11 +141,15 @@ def build_units(trace: Trace, budget: float, page_bytes: int) -> list[Unit]:
 class _Ilp:
     """The placement ILP of one (trace, hardware, budget), re-solved per weight vector."""
 
-    def __init__(self, trace: Trace, hw: Hardware, budget: float, units: list[Unit], tiers: tuple[str, ...], node_limit: int):
+    def __init__(
+        self, trace: Trace, hw: Hardware, budget: float, units: list[Unit], tiers: tuple[str, ...], node_limit: int,
+        repair_tries: int = 16,
+    ):
         from scipy import sparse
 
         self.trace, self.hw, self.budget, self.units, self.tiers = trace, hw, budget, units, tiers
         self.node_limit = node_limit
+        self.repair_tries = repair_tries
         n, U = trace.n_ops, len(units)
         self.n = n
         a = np.array([u.after_op for u in units], dtype=np.int64)
@@ -150,6 +160,7 @@ class _Ilp:
         rows = (np.repeat(a + 1, lens) + np.arange(total) - offs) % n
         cols = np.repeat(np.arange(U), lens)
         self.cover = sparse.csr_matrix((np.ones(total), (rows, cols)), shape=(n, U))
+        self.cover_t = self.cover.T.tocsr()  # unit x op: the ops each unit's gap covers
         self.size = np.array([u.nbytes for u in units], dtype=np.float64)
         self.deficit = trace.live_bytes.astype(np.float64) - budget
         self.caps = np.array([hw.tier(t).capacity for t in tiers], dtype=np.float64)
@@ -220,10 +231,10 @@ class _Ilp:
             if not bad.size:
                 fractional = np.flatnonzero((hi - lo).reshape(K, U).max(axis=0) > 0.5)
                 choice, swaps = self._drop_and_repair(choice, cost, fractional)
-                choice = self._ties_to_first_tier(choice, cost)
+                choice = self._ties_to_first_tier(self._prune(choice, cost), cost)
                 return choice, (
                     f"highs: LP relaxation, then MIP over its {free_total} fractional binaries"
-                    + (f"; {swaps} fractional unit(s) replaced by cheaper ones" if swaps else "")
+                    + (f"; {swaps} unit(s) replaced by cheaper ones" if swaps else "")
                 )
             rows.update(bad.tolist())
         return self._greedy(cost), "greedy (cutting planes did not converge)"
@@ -238,7 +249,7 @@ class _Ilp:
         K = len(self.tiers)
         if K < 2:
             return choice
-        cover_t = self.cover.T.tocsr()
+        cover_t = self.cover_t
         occ = np.stack([self.cover @ ((choice == k) * self.size) for k in range(K)])
         for u in np.flatnonzero(choice > 0).tolist():
             k0 = int(choice[u])
@@ -253,12 +264,18 @@ class _Ilp:
 
     def _drop_and_repair(self, choice: np.ndarray, cost: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, int]:
         """(improved choice, how many units were replaced): for each unit in ``units``
-        that ``choice`` takes, drop it and cover what it covered with the units left on
-        the device, cheapest per byte of deficit they relieve first; keep the result if
-        it costs less. The choice stays feasible on every row."""
+        that ``choice`` takes, then for the ``repair_tries`` most expensive units it
+        takes, drop it and cover what it covered with the units left on the device,
+        cheapest per byte of deficit they relieve first, and drop what that made
+        redundant; keep the result if it costs less. The choice stays feasible on every
+        row. (A bound on tries, like the node limit, keeps the work a function of the
+        inputs.)"""
         total = self._cost_of(choice, cost)
         swaps = 0
-        for f in units.tolist():
+        taken = np.flatnonzero(choice >= 0)
+        priciest = taken[np.lexsort((taken, -cost[taken, choice[taken]]))][: self.repair_tries]
+        tries = list(dict.fromkeys(units.tolist() + priciest.tolist()))
+        for f in tries:
             if choice[f] < 0:
                 continue
             trial = choice.copy()
@@ -277,7 +294,7 @@ class _Ilp:
         can take a unit that later ones make redundant)."""
         on = (choice >= 0) * self.size
         slack = self.cover @ on - self.deficit  # bytes each op is covered beyond its deficit
-        cover_t = self.cover.T.tocsr()
+        cover_t = self.cover_t
         taken = np.flatnonzero(choice >= 0)
         for u in taken[np.lexsort((taken, -cost[taken, choice[taken]]))].tolist():
             col = cover_t.indices[cover_t.indptr[u] : cover_t.indptr[u + 1]]
@@ -298,40 +315,46 @@ class _Ilp:
         the unit and tier with the least cost per useful byte (its bytes, capped by the
         largest deficit left among the ops it covers)."""
         K = len(self.tiers)
-        cover_t = self.cover.T.tocsr()  # unit x op
-        ops, starts = cover_t.indices, cover_t.indptr[:-1]
-        has_ops = np.diff(cover_t.indptr) > 0
+        left = self.deficit - self.cover @ ((choice >= 0) * self.size)
+        short = np.flatnonzero(left > 0.5)
+        if not short.size:
+            return choice
+        # only units over an op that is short can help, and the short ops only shrink
+        cand = np.unique(self.cover[short].indices)
+        cand = cand[(choice[cand] < 0) & (cand != exclude)]
+        if not cand.size:
+            return None
+        sub = self.cover_t[cand]  # candidate x op
+        ops, has_ops = sub.indices, np.diff(sub.indptr) > 0
+        starts = sub.indptr[:-1][has_ops]
 
-        def per_unit_max(values: np.ndarray) -> np.ndarray:
-            """Max of ``values`` over each unit's ops (-inf for a unit with none)."""
-            out = np.full(len(self.units), -np.inf)
+        def per_cand_max(values: np.ndarray) -> np.ndarray:
+            """Max of ``values`` over each candidate's ops (-inf for one with none)."""
+            out = np.full(cand.size, -np.inf)
             if ops.size:
-                out[has_ops] = np.maximum.reduceat(values[ops], starts[has_ops])
+                out[has_ops] = np.maximum.reduceat(values[ops], starts)
             return out
 
-        left = self.deficit - self.cover @ ((choice >= 0) * self.size)
         occ = np.stack([self.cover @ ((choice == k) * self.size) for k in range(K)])
-        while (left > 0.5).any():
-            # per unit: the largest deficit left among its ops, and per tier the fullest
-            # op it would add to
-            need = per_unit_max(left)
-            ok = (choice < 0) & (need > 0.5)
-            ok[exclude] = False
+        size, free = self.size[cand], np.ones(cand.size, dtype=bool)
+        while (left[short] > 0.5).any():
+            need = per_cand_max(left)  # the largest deficit left among its ops
+            ok = free & (need > 0.5)
             if not ok.any():
                 return None
-            ratio = np.full((len(self.units), K), np.inf)
-            useful = np.minimum(self.size, need)
+            ratio = np.full((cand.size, K), np.inf)
+            useful = np.minimum(size, need)
             for k in range(K):
                 fits = ok.copy()
                 if math.isfinite(self.caps[k]):
-                    fits &= per_unit_max(occ[k]) + self.size <= self.caps[k]
-                ratio[fits, k] = cost[fits, k] / useful[fits]
-            flat = int(np.argmin(ratio))  # ties: lowest unit, then lowest tier
-            u, k = divmod(flat, K)
-            if not math.isfinite(ratio[u, k]):
+                    fits &= per_cand_max(occ[k]) + size <= self.caps[k]
+                ratio[fits, k] = cost[cand[fits], k] / useful[fits]
+            i, k = divmod(int(np.argmin(ratio)), K)  # ties: lowest unit, then lowest tier
+            if not math.isfinite(ratio[i, k]):
                 return None
-            col = ops[cover_t.indptr[u] : cover_t.indptr[u + 1]]
-            choice[u] = k
+            u = int(cand[i])
+            col = sub.indices[sub.indptr[i] : sub.indptr[i + 1]]
+            choice[u], free[i] = k, False
             left[col] -= self.size[u]
             occ[k, col] += self.size[u]
         return choice
