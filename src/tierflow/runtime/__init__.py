@@ -18,6 +18,7 @@ _LAZY = {
     "BudgetError": ".errors",
     "OffloadError": ".errors",
     "SSDError": ".errors",
+    "RankMismatchError": ".distributed",
     "Run": ".executor",
     "RunStats": ".executor",
     "offload": ".executor",
