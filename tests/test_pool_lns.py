@@ -86,6 +86,16 @@ def test_solve_window_reports_an_impossible_cap():
     assert new is None and status in ("INFEASIBLE", "EMPTY_DOMAIN")
 
 
+def test_solve_window_with_nothing_free_keeps_the_placement():
+    p = WINDOW
+    g = best_fit(p.lower, p.upper, p.units, size_order(p))
+    none = np.zeros(0, dtype=np.int64)
+    peak = _peak(p, g)
+    kept, status = lns.solve_window(p.lower, p.upper, p.units, g, none, peak, 1.0, float("inf"))
+    assert status == "OPTIMAL" and np.array_equal(kept, g)
+    assert lns.solve_window(p.lower, p.upper, p.units, g, none, peak - 1, 1.0, float("inf")) == (None, "INFEASIBLE")
+
+
 @st.composite
 def placed(draw):
     n = draw(st.integers(1, 25))

@@ -123,6 +123,9 @@ def solve_window(
     """
     from ortools.sat.python import cp_model
 
+    if not len(free):  # nothing to move: the placement stands or falls as it is
+        fits = not len(units) or int((offsets + units).max()) <= cap
+        return (offsets.copy(), "OPTIMAL") if fits else (None, "INFEASIBLE")
     is_free = np.zeros(len(units), dtype=bool)
     is_free[free] = True
     span_lo, span_hi = int(lower[free].min()), int(upper[free].max())
