@@ -199,3 +199,20 @@ def test_seed_policies_on_a_g10_case(g10_dir):
         plan = make_plan(name, trace, hw)
         r = _check(plan, trace, hw, hw.device_capacity)
         assert r.fits and 0.3 < r.ratio <= 1.0
+
+
+def test_deeptm_range_max_equals_the_max_over_each_circular_run():
+    """The range-maximum table deeptm's greedy cover uses gives exactly the max of the
+    ops each unit covers, runs that wrap past the last op and empty runs included."""
+    import numpy as np
+
+    from tierflow.policies.deeptm import _range_max
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 64, 301):
+        values = rng.normal(size=n) * 1e9
+        start = rng.integers(0, n, size=200)
+        span = rng.integers(0, n + 1, size=200)
+        got = _range_max(values, start, span)
+        want = [max((values[(s + j) % n] for j in range(L)), default=-np.inf) for s, L in zip(start, span)]
+        assert got.tolist() == want
