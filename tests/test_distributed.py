@@ -72,7 +72,17 @@ def _bucket_views(rank: int) -> dict:
         return losses, [p.detach().clone() for p in net.parameters()], ctx
 
     l0, p0, _ = run(False)
-    l1, p1, r = run(True)
+    # Whether gloo's thread is still busy when the eviction comes is a race; make every
+    # all-reduce report "not completed" (as a slow network would) so that the eviction
+    # deterministically meets a collective in flight. The program's own use of a
+    # gradient (the optimizer step) still releases the pins, after a real wait().
+    work = torch._C._distributed_c10d.Work
+    is_completed = work.is_completed
+    work.is_completed = lambda self: False
+    try:
+        l1, p1, r = run(True)
+    finally:
+        work.is_completed = is_completed
     s = r.stats
     return {"equal": all(torch.equal(a, b) for a, b in zip(l0 + p0, l1 + p1)), "busy_refusals": s.busy_refusals,
             "collectives": s.collectives, "plan_error": s.plan_error}
