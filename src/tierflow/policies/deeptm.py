@@ -165,6 +165,7 @@ class _Ilp:
         # laid twice end to end (what _RangeMax answers maxima over)
         self.start = (a + 1) % n
         self.span = np.minimum(lens, n)
+        self._laps, self._rest = lens // n, lens % n  # whole iterations a gap spans, and the rest
         self.size = np.array([u.nbytes for u in units], dtype=np.float64)
         self.deficit = trace.live_bytes.astype(np.float64) - budget
         self.caps = np.array([hw.tier(t).capacity for t in tiers], dtype=np.float64)
@@ -177,6 +178,18 @@ class _Ilp:
             rt[:, k] = lat + self.size / bw_out + self.size / bw_in
         self.rt = rt
         self.exposed = np.maximum(rt - gap_s[:, None], 0.0)
+
+    def covered(self, x: np.ndarray) -> np.ndarray:
+        """``self.cover @ x``: per op, the sum of ``x`` over the units whose gap covers
+        it. Each gap is one circular run of ops, so a difference array and a prefix sum
+        give it in O(ops + units) rather than O(every (op, unit) pair). ``x`` holds
+        whole bytes, so every partial sum is an exact float and the result is the
+        matrix product's, bit for bit."""
+        n = self.n
+        d = np.bincount(self.start, weights=x, minlength=2 * n + 1)
+        d -= np.bincount(self.start + self._rest, weights=x, minlength=2 * n + 1)
+        run = np.cumsum(d[: 2 * n])
+        return run[:n] + run[n:] + float(x @ self._laps)
 
     def solve(self, weights: np.ndarray) -> tuple[np.ndarray, str]:
         """(tier index per unit or -1; all -2 when infeasible, and how it was solved).
@@ -254,7 +267,7 @@ class _Ilp:
         if K < 2:
             return choice
         cover_t = self.cover_t
-        occ = np.stack([self.cover @ ((choice == k) * self.size) for k in range(K)])
+        occ = np.stack([self.covered((choice == k) * self.size) for k in range(K)])
         for u in np.flatnonzero(choice > 0).tolist():
             k0 = int(choice[u])
             col = cover_t.indices[cover_t.indptr[u] : cover_t.indptr[u + 1]]
@@ -297,7 +310,7 @@ class _Ilp:
         goes back to the device if every op stays covered without it (a greedy cover
         can take a unit that later ones make redundant)."""
         on = (choice >= 0) * self.size
-        slack = self.cover @ on - self.deficit  # bytes each op is covered beyond its deficit
+        slack = self.covered(on) - self.deficit  # bytes each op is covered beyond its deficit
         cover_t = self.cover_t
         taken = np.flatnonzero(choice >= 0)
         for u in taken[np.lexsort((taken, -cost[taken, choice[taken]]))].tolist():
@@ -319,7 +332,7 @@ class _Ilp:
         the unit and tier with the least cost per useful byte (its bytes, capped by the
         largest deficit left among the ops it covers)."""
         K = len(self.tiers)
-        left = self.deficit - self.cover @ ((choice >= 0) * self.size)
+        left = self.deficit - self.covered((choice >= 0) * self.size)
         short = np.flatnonzero(left > 0.5)
         if not short.size:
             return choice
@@ -338,7 +351,7 @@ class _Ilp:
             9,000-op trace with long gaps is millions of reads per greedy step."""
             return _range_max(values, start, span)
 
-        occ = np.stack([self.cover @ ((choice == k) * self.size) for k in range(K)])
+        occ = np.stack([self.covered((choice == k) * self.size) for k in range(K)])
         size, free = self.size[cand], np.ones(cand.size, dtype=bool)
         while (left[short] > 0.5).any():
             need = per_cand_max(left)  # the largest deficit left among its ops
@@ -364,9 +377,9 @@ class _Ilp:
 
     def _violations(self, choice: np.ndarray) -> np.ndarray:
         on = (choice >= 0) * self.size
-        over = self.deficit - self.cover @ on > 0.5
+        over = self.deficit - self.covered(on) > 0.5
         for k in range(len(self.tiers)):
-            occ = self.cover @ ((choice == k) * self.size)
+            occ = self.covered((choice == k) * self.size)
             over |= occ > self.caps[k]
         bad = np.flatnonzero(over)
         if bad.size > 64:  # add the worst ones and a spread of the rest
