@@ -1114,20 +1114,7 @@ class Run:
     def _drop_away(self, e: _Entry, st: torch.UntypedStorage) -> None:
         """Forget the copy of an away storage that someone else re-allocated (and will
         fill): give back its slots, account it resident, never move it again."""
-        if e.tier == "host":
-            self._host.arena.release(e.slot, e.nbytes)
-        elif self._ssd is not None:
-            if e.io is not None:
-                try:
-                    e.io.result()
-                except OSError:
-                    pass
-                if e in self._writes:
-                    self._writes.remove(e)
-                e.io = None
-            if e.bounce >= 0:
-                self._ssd.bounce.release(e.bounce, e.nbytes)
-            self._ssd.arena.release(e.slot, e.nbytes)
+        self._give_back_slots(e)
         e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
         e.nbytes = int(st.nbytes())
         self._device_bytes += e.nbytes
@@ -1200,6 +1187,25 @@ class Run:
         # SSD reads that completed stay in their bounce slot until the tensor is first used:
         # landing them earlier would spend device bytes the plan has not made room for
 
+    def _give_back_slots(self, e: _Entry) -> None:
+        """Give back what an away storage holds outside the device: its SSD write is
+        waited for first (its bytes are being dropped, so an error no longer matters),
+        then its bounce slot and its host or SSD slot."""
+        if e.io is not None:
+            try:
+                e.io.result()
+            except OSError:
+                pass
+            if e in self._writes:
+                self._writes.remove(e)
+            e.io = None
+        if e.bounce >= 0 and self._ssd is not None:
+            self._ssd.bounce.release(e.bounce, e.nbytes)
+        if e.tier == "host":
+            self._host.arena.release(e.slot, e.nbytes)
+        elif self._ssd is not None:
+            self._ssd.arena.release(e.slot, e.nbytes)
+
     def _retire(self, e: _Entry) -> None:
         """Forget a storage that died (its device bytes, or its slots while away)."""
         if self._entries.get(e.cdata) is not e:
@@ -1212,19 +1218,7 @@ class Run:
         if e.state == RESIDENT:
             self._device_bytes -= e.nbytes
         else:  # died while away: give its slots back
-            if e.io is not None:
-                try:
-                    e.io.result()
-                except OSError:
-                    pass
-                if e in self._writes:
-                    self._writes.remove(e)
-            if e.bounce >= 0 and self._ssd is not None:
-                self._ssd.bounce.release(e.bounce, e.nbytes)
-            if e.tier == "host":
-                self._host.arena.release(e.slot, e.nbytes)
-            elif self._ssd is not None:
-                self._ssd.arena.release(e.slot, e.nbytes)
+            self._give_back_slots(e)
         if e.key and self._by_key.get(e.key) is e:
             del self._by_key[e.key]
 
