@@ -14,6 +14,7 @@ its own ``tierflow.offload``; rank 0 prints one row per rank.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -196,6 +197,13 @@ def _train_rank(args: argparse.Namespace) -> int:
             _write_report(args.report, res)
     finally:
         if owned:
+            # FSDP2's modules live in reference cycles, and the last step's collectives
+            # (gloo's async work, holding tensors) with them: free them now, while the
+            # group and the interpreter are alive; left to the interpreter's exit, gloo's
+            # threads drop tensors without the GIL and the process aborts
+            # ("terminate called without an active exception").
+            gc.collect()
+            dist.barrier()
             dist.destroy_process_group()
     ok = all(r["parity"] is not False for r in every)
     if res.rank != 0:
