@@ -49,22 +49,47 @@ def solve_exact(problem: Problem, time_limit: float = 10.0, backend: str = "auto
     a, b = overlap_pairs(problem.lower, problem.upper)
     if len(a) > MAX_PAIRS:
         raise PoolError(f"solver 'exact': {len(a)} overlapping pairs, more than the {MAX_PAIRS} it handles")
-    if backend == "cpsat" or (backend == "auto" and lns.available()):
-        if not lns.available():
-            raise PoolError("exact backend 'cpsat' needs ortools (pip install 'tierflow[solver]')")
-        return _solve_cpsat(problem, time_limit, greedy, t0, len(a))
-    try:
-        import highspy
-    except ImportError as e:  # an optional dependency ("solver" extra)
-        raise PoolError(f"solver 'exact' needs highspy or ortools (pip install 'tierflow[solver]'): {e}") from None
-    n = len(problem)
-    units = problem.units
+    use_cpsat = backend == "cpsat" or (backend == "auto" and lns.available())
+    if use_cpsat and not lns.available():
+        raise PoolError("exact backend 'cpsat' needs ortools (pip install 'tierflow[solver]')")
+    if not use_cpsat:
+        try:
+            import highspy  # noqa: F401  (only to fail early and clearly)
+        except ImportError as e:  # an optional dependency ("solver" extra)
+            raise PoolError(f"solver 'exact' needs highspy or ortools (pip install 'tierflow[solver]'): {e}") from None
+    name = "cpsat" if use_cpsat else "highs"
     lb = lower_bound(problem, units=True)
-    big = int((greedy.offsets // problem.alignment + units).max()) if n else 0
-    if n == 0 or big <= lb:
-        greedy.solver, greedy.seconds = "exact", time.perf_counter() - t0
-        greedy.optimal = True
+    g_units = greedy.offsets // problem.alignment
+    cap = int((g_units + problem.units).max()) if len(problem) else 0
+    if cap <= lb:  # greedy already meets the bound (or there is nothing to place)
+        greedy.solver, greedy.seconds, greedy.optimal = "exact", time.perf_counter() - t0, True
+        greedy.meta = {"status": "OPTIMAL", "backend": name}
         return greedy
+    solve = _solve_cpsat if use_cpsat else _solve_highs
+    off_units, proven, status = solve(problem, time_limit, g_units, cap, lb, (a, b), t0)
+    offsets = g_units * problem.alignment if off_units is None else off_units * problem.alignment
+    peak = peak_of(problem, offsets)
+    if peak > greedy.peak:  # a solver stopped early with a worse incumbent: never worse than greedy
+        offsets, peak = greedy.offsets, greedy.peak
+    return Solution(
+        offsets=offsets,
+        peak=peak,
+        lower_bound=problem.lower_bound,
+        solver="exact",
+        seconds=time.perf_counter() - t0,
+        optimal=proven or peak == problem.lower_bound,
+        meta={"status": status, "pairs": len(a), "backend": name},
+    )
+
+
+def _solve_highs(problem: Problem, time_limit: float, g_units: np.ndarray, big: int, lb: int,
+                 pairs: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray | None, bool, str]:
+    """The big-M MILP (M = greedy's peak ``big``): (offsets in alignment units or None
+    when HiGHS has no solution, proven optimal, HiGHS's status)."""
+    import highspy
+
+    n, units = len(problem), problem.units
+    a, b = pairs
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(max(time_limit, 0.1)))
@@ -92,51 +117,19 @@ def solve_exact(problem: Problem, time_limit: float = 10.0, backend: str = "auto
     status = h.getModelStatus()
     sol = h.getSolution()
     if not sol.value_valid:
-        greedy.solver, greedy.seconds = "exact", time.perf_counter() - t0
-        greedy.meta = {"status": h.modelStatusToString(status), "backend": "highs"}
-        return greedy
+        return None, False, h.modelStatusToString(status)
     off_units = np.rint(np.asarray(sol.col_value[:n])).astype(np.int64)
-    offsets = off_units * problem.alignment
-    peak = peak_of(problem, offsets)
-    if peak > greedy.peak:  # HiGHS stopped early with a worse incumbent
-        offsets, peak = greedy.offsets, greedy.peak
-    return Solution(
-        offsets=offsets,
-        peak=peak,
-        lower_bound=problem.lower_bound,
-        solver="exact",
-        seconds=time.perf_counter() - t0,
-        optimal=status == highspy.HighsModelStatus.kOptimal or peak == problem.lower_bound,
-        meta={"status": h.modelStatusToString(status), "pairs": p, "backend": "highs"},
-    )
+    return off_units, status == highspy.HighsModelStatus.kOptimal, h.modelStatusToString(status)
 
 
-def _solve_cpsat(problem: Problem, time_limit: float, greedy: Solution, t0: float, pairs: int) -> Solution:
-    """The CP-SAT model: every non-empty buffer free, capped at greedy's peak."""
-    units = problem.units
-    keep = np.flatnonzero(units > 0)
-    lb = lower_bound(problem, units=True)
-    g_units = greedy.offsets // problem.alignment
-    cap = int((g_units + units).max()) if len(problem) else 0
-    if not len(keep) or cap <= lb:
-        greedy.solver, greedy.seconds, greedy.optimal = "exact", time.perf_counter() - t0, True
-        greedy.meta = {"status": "OPTIMAL", "backend": "cpsat"}
-        return greedy
+def _solve_cpsat(problem: Problem, time_limit: float, g_units: np.ndarray, cap: int, lb: int,
+                 pairs: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray | None, bool, str]:
+    """The CP-SAT model: every non-empty buffer free, capped at greedy's peak ``cap``,
+    greedy's offsets as the hint: (offsets in alignment units or None, proven optimal,
+    CP-SAT's status)."""
+    keep = np.flatnonzero(problem.units > 0)
     new, status = lns.solve_window(
-        problem.lower, problem.upper, units, g_units, keep, cap, det_time=1e9,
+        problem.lower, problem.upper, problem.units, g_units, keep, cap, det_time=1e9,
         deadline=t0 + max(time_limit, 0.1), floor=lb,
     )
-    off_units = g_units if new is None else new
-    offsets = off_units * problem.alignment
-    peak = peak_of(problem, offsets)
-    if peak > greedy.peak:  # cannot happen (greedy is the hint and the cap); kept as a guard
-        offsets, peak = greedy.offsets, greedy.peak
-    return Solution(
-        offsets=offsets,
-        peak=peak,
-        lower_bound=problem.lower_bound,
-        solver="exact",
-        seconds=time.perf_counter() - t0,
-        optimal=status == "OPTIMAL" or peak == problem.lower_bound,
-        meta={"status": status, "pairs": pairs, "backend": "cpsat"},
-    )
+    return new, status == "OPTIMAL", status
