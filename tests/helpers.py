@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from tierflow import Hardware, Op, TensorInfo, Trace, load_hardware
+from tierflow import Hardware, Op, TensorInfo, Trace
+from tierflow.synthetic import toy_hardware
 
 MB = 10**6
 
@@ -26,12 +25,6 @@ def chain_trace() -> Trace:
 
 
 def simple_hw(pcie_gbps: float = 10.0, host_gib: float = 64, fault_us: float = 0.0) -> Hardware:
-    """A 1 GiB 'gpu' and host over a symmetric link, no buses, no latency."""
-    hw = load_hardware("rtx4090-24g")
-    links = tuple(
-        dataclasses.replace(link, bandwidth=pcie_gbps * 1e9, latency_s=0.0) for link in hw.links
-    )
-    hw = dataclasses.replace(hw, links=links, fault_latency_s=fault_us * 1e-6, name="test-hw")
-    hw = hw.with_tier("gpu", capacity=float(2**30))
-    hw = hw.with_tier("host", capacity=float(host_gib * 2**30))
-    return hw.with_tier("ssd", latency_s=0.0)
+    """A 1 GiB 'gpu' and host over a symmetric link, no latency (see
+    :func:`tierflow.synthetic.toy_hardware`)."""
+    return toy_hardware(pcie_gbps, host_gib, fault_us)

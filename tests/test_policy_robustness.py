@@ -20,57 +20,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import MB, simple_hw
-from tierflow import Op, TensorInfo, Trace
+from helpers import simple_hw
 from tierflow.errors import PlanError
 from tierflow.policies import make_plan, min_working_set, policy_names
 from tierflow.simulate import simulate
+from tierflow.synthetic import training_trace
 
 # Some tiny traces would make the LP pager's step time hinge on float ties; a relative
 # tolerance keeps the property about real slowdowns, not rounding.
 REL_TOL = 1e-9
-
-
-def training_trace(layers: int, sizes_mb: list[int], durations_ms: list[int]) -> Trace:
-    """A forward pass that saves activations, a backward pass that reads them in
-    reverse with the weights, and an optimizer step that updates the weights.
-
-    ``sizes_mb`` in creation order: the ``layers`` weights, the input, one activation
-    per layer, the loss gradient, then a (weight gradient, input gradient) pair per
-    layer from the last; ``durations_ms`` in op order (``3 layers + 2`` ops)."""
-    sizes = iter(sizes_mb)
-    durations = iter(durations_ms)
-    tensors: list[TensorInfo] = []
-    ops: list[Op] = []
-
-    def tensor(kind, persistent=False):
-        tensors.append(TensorInfo(len(tensors), next(sizes) * MB, kind, persistent))
-        return len(tensors) - 1
-
-    def dur():
-        return next(durations) * 1e-3
-
-    weights = [tensor("parameter", True) for _ in range(layers)]
-    x = tensor("input")
-    saved = []
-    for w in weights:
-        y = tensor("activation")
-        ops.append(Op("fwd", "forward", dur(), (x, w), (y,)))
-        saved.append(x)
-        x = y
-    dy = tensor("activation")
-    ops.append(Op("loss", "forward", dur(), (x,), (dy,)))
-    grads = []
-    for w, a in zip(reversed(weights), reversed(saved)):
-        g = tensor("gradient")
-        dx = tensor("activation")
-        ops.append(Op("bwd", "backward", dur(), (dy, a, w), (g, dx)))
-        grads.append((w, g))
-        dy = dx
-    ops.append(Op("bwd_end", "backward", dur(), (dy,), ()))
-    for w, g in grads:
-        ops.append(Op("step", "optimizer", dur(), (w, g), (w,)))
-    return Trace(ops, tensors, "random-training")
 
 
 @st.composite

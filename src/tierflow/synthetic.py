@@ -9,8 +9,12 @@ bytes / memory bandwidth)`` on the hardware's compute device.
 
 from __future__ import annotations
 
-from .hardware import Hardware
+import dataclasses
+
+from .hardware import Hardware, load_hardware
 from .trace import Op, TensorInfo, Trace
+
+MB = 1_000_000
 
 
 def gpt_trace(
@@ -110,3 +114,72 @@ def gpt_trace(
         name=f"gpt-L{layers}-d{d_model}-b{batch}x{seq}",
         meta={"source": "synthetic", "hardware": hardware.name, "dtype_bytes": dtype_bytes},
     )
+
+
+def training_trace(layers: int, sizes_mb: list[int], durations_ms: list[int], name: str = "random-training") -> Trace:
+    """A small training-shaped trace with every size and time given: a forward pass
+    that saves activations, a backward pass that reads them in reverse with the
+    weights, and an optimizer step that updates the weights. The robustness property
+    test and ``benchmarks/robustness.py`` draw these at random.
+
+    Args:
+        layers: number of weight layers.
+        sizes_mb: ``4 * layers + 2`` sizes in MB (10^6 bytes), in creation order: the
+            ``layers`` weights, the input, one activation per layer, the loss
+            gradient, then a (weight gradient, input gradient) pair per layer from the
+            last.
+        durations_ms: ``3 * layers + 2`` op times in ms, in op order.
+
+    Raises:
+        ValueError: if a list has the wrong length.
+    """
+    if len(sizes_mb) != 4 * layers + 2 or len(durations_ms) != 3 * layers + 2:
+        raise ValueError(
+            f"training_trace({layers} layers) needs {4 * layers + 2} sizes and {3 * layers + 2} "
+            f"durations, got {len(sizes_mb)} and {len(durations_ms)}"
+        )
+    sizes = iter(sizes_mb)
+    durations = iter(durations_ms)
+    tensors: list[TensorInfo] = []
+    ops: list[Op] = []
+
+    def tensor(kind: str, persistent: bool = False) -> int:
+        tensors.append(TensorInfo(len(tensors), next(sizes) * MB, kind, persistent))
+        return len(tensors) - 1
+
+    def dur() -> float:
+        return next(durations) * 1e-3
+
+    weights = [tensor("parameter", True) for _ in range(layers)]
+    x = tensor("input")
+    saved = []
+    for w in weights:
+        y = tensor("activation")
+        ops.append(Op("fwd", "forward", dur(), (x, w), (y,)))
+        saved.append(x)
+        x = y
+    dy = tensor("activation")
+    ops.append(Op("loss", "forward", dur(), (x,), (dy,)))
+    grads = []
+    for w, a in zip(reversed(weights), reversed(saved)):
+        g = tensor("gradient")
+        dx = tensor("activation")
+        ops.append(Op("bwd", "backward", dur(), (dy, a, w), (g, dx)))
+        grads.append((w, g))
+        dy = dx
+    ops.append(Op("bwd_end", "backward", dur(), (dy,), ()))
+    for w, g in grads:
+        ops.append(Op("step", "optimizer", dur(), (w, g), (w,)))
+    return Trace(ops, tensors, name)
+
+
+def toy_hardware(pcie_gbps: float = 10.0, host_gib: float = 64, fault_us: float = 0.0) -> Hardware:
+    """A 1 GiB ``gpu`` with host memory and an SSD: ``rtx4090-24g``'s tiers and links,
+    every link at ``pcie_gbps`` GB/s with no latency, the SSD without access latency,
+    and ``fault_us`` per demand fault. Small enough that small traces need planning."""
+    hw = load_hardware("rtx4090-24g")
+    links = tuple(dataclasses.replace(link, bandwidth=pcie_gbps * 1e9, latency_s=0.0) for link in hw.links)
+    hw = dataclasses.replace(hw, links=links, fault_latency_s=fault_us * 1e-6, name="test-hw")
+    hw = hw.with_tier("gpu", capacity=float(2**30))
+    hw = hw.with_tier("host", capacity=float(host_gib * 2**30))
+    return hw.with_tier("ssd", latency_s=0.0)

@@ -56,6 +56,23 @@ def simulate_score(trace: Trace, hw: Hardware, plan: Plan):
     return (res.time_s if res.fits and not res.error else math.inf), res
 
 
+def gains(new: float, old: float) -> bool:
+    """True if a simulated step of ``new`` seconds is really shorter than ``old``.
+
+    Two plans that differ only in which of two equal transfers goes first, or in the
+    order a sum was taken, can score a few ulps apart; taking such a "gain" would make
+    the choice (and all the repairs after it) hinge on rounding, so that an upgrade of
+    the machine that changes nothing real could change the plan. A gain must be at
+    least a nanosecond."""
+    return new < old - 1e-9
+
+
+def score_key(score: float) -> float:
+    """``score`` to the nanosecond: ties between seeds go to the earlier seed (see
+    :func:`gains`)."""
+    return score if math.isinf(score) else round(score, 9)
+
+
 def _op_before(ends: np.ndarray, t: float) -> int:
     """The last op whose simulated end is at or before ``t`` (-1 if none)."""
     return int(np.searchsorted(ends, t, side="right")) - 1
@@ -389,7 +406,7 @@ def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: i
         if new is not None:
             s2, r2 = simulate_score(trace, hw, new)
             used += 1
-            if s2 < score:
+            if gains(s2, score):
                 score, plan, res, misses = s2, new, r2, 0
                 continue  # the same step again, on the new simulation
         misses += 1
@@ -434,6 +451,6 @@ def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, 
             break
         s2, r2 = simulate_score(trace, hw, step)
         used += 1
-        if s2 < score:
+        if gains(s2, score):
             score, plan, res = s2, step, r2
     return score, plan, res, used

@@ -79,7 +79,7 @@ from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Trace
 from . import PolicyOptions, register
-from ._tierflow_loop import improve, improve_targeted, simulate_score
+from ._tierflow_loop import improve, improve_targeted, score_key, simulate_score
 
 
 @dataclass(frozen=True)
@@ -550,7 +550,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             break
         if name.startswith("g10") and score > _G10_NEAR * min(s[0] for s in scored):
             reply = False  # g10 is far behind here: its variants are not worth simulating
-    scored.sort(key=lambda x: (x[0], x[1]))
+    scored.sort(key=lambda x: (score_key(x[0]), x[1]))
     if opts.get("portfolio", True) and scored[0][0] > ideal and not scored[0][3].reactive:
         # deeptm's ILP is the costliest seed (about 1 s per episode on G10's workloads,
         # 2-5 s on a 9,600-op captured model), so it is tried only where a planned seed
@@ -568,7 +568,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             validate(dtm, trace, hardware)
             s_dtm, r_dtm = simulate_score(trace, hardware, dtm)
             scored.append((s_dtm, len(scored), "deeptm", dtm, r_dtm))
-            scored.sort(key=lambda x: (x[0], x[1]))
+            scored.sort(key=lambda x: (score_key(x[0]), x[1]))
         except (PlanError, PolicyError):
             pass
         cpu["deeptm"] = time.process_time() - c1
