@@ -138,3 +138,44 @@ def test_quick_check_on_a_g10_case(g10_dir):
     assert plan.meta["evictions_ssd"] > 0 and plan.meta["evictions_host"] > 0
     res = simulate(trace, HW, plan)
     assert res.ratio == pytest.approx(0.997, abs=0.05)  # G10's published ratio for BERT
+
+
+def _fills_by_running_sum(b: _Budgets, res: tuple[str, ...], size: float, at: int) -> tuple[int, int]:
+    """(fill_forward from ``at``, fill_backward to ``at``) the straightforward way: one
+    running sum over the whole rest of the iteration, as the planner first did."""
+    a = np.maximum(np.minimum.reduce([b.cap[r] - b.used[r] for r in res]), 0.0)
+    n = len(a)
+    fwd = min(at + int(np.searchsorted(np.cumsum(a[at:]), size, side="left")), n - 1)
+    bwd = 0 if at <= 0 else max(at - 1 - int(np.searchsorted(np.cumsum(a[:at][::-1]), size, side="left")), 0)
+    return fwd, bwd
+
+
+@given(st.integers(0, 2**32 - 1))
+def test_fills_by_prefix_sums_match_the_running_sum(seed):
+    """The fills place their answer with prefix sums and fall back to the running sum
+    where rounding could tell the two apart; the slot must be the running sum's, to the
+    slot, sizes that hit a partial sum exactly (or one float away) included, and so
+    after spends (which update the cached sums in place of recomputing them)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    durations = rng.uniform(1e-6, 1e-2, n) * (rng.random(n) < 0.8)  # some ops take no time
+    b = _Budgets(HW, durations, 1.0)
+    out, back = b.resources("gpu", "ssd"), b.resources("ssd", "gpu")
+    for _ in range(4):
+        for res in (out, back):
+            a = b.avail(res, 0, n)
+            for _ in range(10):
+                at = int(rng.integers(0, n + 1))
+                sums = [0.0, float(rng.uniform(0, 1.2 * a.sum())), 1e30]
+                if at < n:
+                    sums.append(float(np.cumsum(a[at:])[rng.integers(0, n - at)]))
+                if at > 0:
+                    sums.append(float(np.cumsum(a[:at][::-1])[rng.integers(0, at)]))
+                for x in sums:
+                    for size in (x, np.nextafter(x, 0.0), np.nextafter(x, np.inf)):
+                        size = float(size)
+                        got = b.fill_forward(res, size, at), b.fill_backward(res, size, at)
+                        assert got == _fills_by_running_sum(b, res, size, at)
+        # spend part of the budget, as a move does
+        res = out if rng.random() < 0.5 else back
+        b.spend(res, float(rng.uniform(0, b.cap[res[0]].sum() / 2)), int(rng.integers(0, n)))

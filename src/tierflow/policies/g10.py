@@ -129,6 +129,14 @@ class _Budgets:
             if t.write_bw != math.inf:
                 self.cap[f"write:{t.name}"] = t.write_bw * scale * durations
         self.used = {k: np.zeros_like(v) for k, v in self.cap.items()}
+        # ``avail`` of every slot per resource set, and its prefix sums, computed once
+        # and brought up to date by ``spend``: the fills read them tens of thousands of
+        # times, for a few thousand spends
+        self._avail: dict[tuple[str, ...], np.ndarray] = {}
+        self._prefix: dict[tuple[str, ...], np.ndarray] = {}
+        # the fills' shortcut (``_tolerance``) holds only while every sum is finite: an
+        # infinite bandwidth (allowed for a link) gives inf - inf = NaN in ``spend``
+        self._finite = all(bool(np.isfinite(c).all()) for c in self.cap.values())
 
     def resources(self, src: str, dst: str) -> tuple[str, ...]:
         names = [f"link:{link.name}" for link in self.hw.route(src, dst)]
@@ -136,29 +144,84 @@ class _Budgets:
         names += [f"read:{src}", f"write:{dst}"]
         return tuple(n for n in dict.fromkeys(names) if n in self.cap)
 
-    def avail(self, res: tuple[str, ...], lo: int, hi: int) -> np.ndarray:
-        """Bytes each slot in ``lo..hi-1`` can still carry on every resource of ``res``."""
-        out = self.cap[res[0]][lo:hi] - self.used[res[0]][lo:hi]
+    def _left(self, res: tuple[str, ...], lo: int) -> np.ndarray:
+        """Bytes each slot from ``lo`` on can still carry on every resource of ``res``."""
+        out = self.cap[res[0]][lo:] - self.used[res[0]][lo:]
         for r in res[1:]:
-            out = np.minimum(out, self.cap[r][lo:hi] - self.used[r][lo:hi])
+            out = np.minimum(out, self.cap[r][lo:] - self.used[r][lo:])
         return np.maximum(out, 0.0)
+
+    def _avail_all(self, res: tuple[str, ...]) -> np.ndarray:
+        """Bytes each slot can still carry on every resource of ``res`` (read-only)."""
+        out = self._avail.get(res)
+        if out is None:
+            out = self._avail[res] = self._left(res, 0)
+            out.flags.writeable = False
+        return out
+
+    def _prefix_sums(self, res: tuple[str, ...]) -> np.ndarray:
+        """``pre[j]``: the sum of ``_avail_all(res)[:j]`` (read-only). Only a guide for
+        the fills: a difference of two of these is not, to the last bit, the running
+        sum a fill compares (see ``_tolerance``)."""
+        pre = self._prefix.get(res)
+        if pre is None:
+            pre = self._prefix[res] = np.concatenate(([0.0], np.cumsum(self._avail_all(res))))
+            pre.flags.writeable = False
+        return pre
+
+    def avail(self, res: tuple[str, ...], lo: int, hi: int) -> np.ndarray:
+        """Bytes each slot in ``lo..hi-1`` can still carry on every resource of ``res``
+        (a read-only view; element for element the same as computing the slice alone)."""
+        return self._avail_all(res)[lo:hi]
+
+    def _tolerance(self, pre: np.ndarray, size: float) -> float:
+        """A bound, with room to spare, on how far a difference of two prefix sums of
+        ``pre`` can be from the running sum over the same slots that a fill computes,
+        plus the rounding of ``size`` +- this bound. Summing ``m`` non-negative floats
+        left to right errs by at most about ``(m - 1) u`` of their total (``u =
+        2**-53``); both prefix sums and the fill's running sum are such sums of at most
+        ``n`` terms, under the total ``pre[-1]``, and the difference rounds once more:
+        under ``(3 n + 1) u pre[-1]`` in all, plus ``u size`` for the comparison. This
+        takes ``16 (n + 1) u max(pre[-1], size)``; it is 0 only where every value is
+        0, and then every sum is exact."""
+        return 16.0 * len(pre) * 2.0**-53 * max(float(pre[-1]), size)  # len(pre) = n + 1
 
     def fill_forward(self, res: tuple[str, ...], size: float, start: int) -> int:
         """The slot by whose end ``size`` bytes issued at ``start`` have moved (the last
         slot if the budget never suffices)."""
         n = len(self.cap[res[0]])
+        if self._finite and start < n:
+            pre = self._prefix_sums(res)
+            # The answer is the first k whose running sum ``cum[k]`` of ``a[start:]``
+            # reaches ``size``. The prefix sums place it in O(log n); it is taken when
+            # their rounding cannot have moved it: cum[k - 1] surely under ``size``,
+            # cum[k] surely not (cum never decreases, a >= 0). Else the running sum.
+            tol, base = self._tolerance(pre, size), float(pre[start])
+            k = min(max(int(pre.searchsorted(base + size, side="left")) - start - 1, 0), n - start)
+            below = k == 0 or float(pre[start + k]) - base < size - tol
+            reached = k == n - start or float(pre[start + k + 1]) - base >= size + tol
+            if below and reached:
+                return min(start + k, n - 1)
         cum = np.cumsum(self.avail(res, start, n))
-        k = int(np.searchsorted(cum, size, side="left"))
-        return min(start + k, n - 1)
+        return min(start + int(np.searchsorted(cum, size, side="left")), n - 1)
 
     def fill_backward(self, res: tuple[str, ...], size: float, end: int) -> int:
         """The slot at whose start ``size`` bytes must be issued to arrive before slot
         ``end`` (slot 0 if the budget never suffices)."""
         if end <= 0:
             return 0
+        if self._finite and end <= len(self.cap[res[0]]):
+            pre = self._prefix_sums(res)
+            # as in ``fill_forward``, for the running sum of ``a[:end]`` backward from
+            # slot ``end - 1``: cum[k] covers slots ``end - 1 - k .. end - 1``
+            tol, top = self._tolerance(pre, size), float(pre[end])
+            k = min(max(end - int(pre.searchsorted(top - size, side="right")), 0), end)
+            below = k == 0 or top - float(pre[end - k]) < size - tol
+            reached = k == end or top - float(pre[end - 1 - k]) >= size + tol
+            if below and reached:
+                return max(end - 1 - k, 0)
         cum = np.cumsum(self.avail(res, 0, end)[::-1])
-        k = int(np.searchsorted(cum, size, side="left"))
-        return max(end - 1 - k, 0)
+        return max(end - 1 - int(np.searchsorted(cum, size, side="left")), 0)
 
     def spend(self, res: tuple[str, ...], size: float, start: int) -> None:
         n = len(self.cap[res[0]])
@@ -169,6 +232,19 @@ class _Budgets:
         take = np.clip(size - before, 0.0, avail)
         for r in res:
             self.used[r][start:] += take
+        # the slots before ``start`` are untouched: of each cached array that shares a
+        # resource with ``res``, only the rest is computed again (the same values as
+        # computing it all); its prefix sums carry on from the untouched part
+        for key, old in list(self._avail.items()):
+            if set(key).isdisjoint(res):
+                continue
+            a = self._avail[key] = np.concatenate((old[:start], self._left(key, start)))
+            a.flags.writeable = False
+            pre = self._prefix.get(key)
+            if pre is not None:
+                rest = np.cumsum(np.concatenate((pre[start : start + 1], a[start:])))  # from pre[start]
+                pre = self._prefix[key] = np.concatenate((pre[:start], rest))
+                pre.flags.writeable = False
 
 
 def _offload_tiers(hw: Hardware, scale: float, budgets: _Budgets) -> tuple[_Tier | None, _Tier | None]:
@@ -243,10 +319,10 @@ class _Planner:
 
     def _over_area(self, lo: int, hi: int) -> float:
         """Seconds of slots ``lo..hi-1`` (extended numbering) that are over the line."""
-        n = self.n
+        n, d, over = self.n, self.durations, self.over
         if hi <= n:
-            return float(self.durations[lo:hi][self.over[lo:hi]].sum())
-        return self._over_area(lo, n) + self._over_area(0, hi - n)
+            return float(d[lo:hi][over[lo:hi]].sum())
+        return float(d[lo:n][over[lo:n]].sum()) + float(d[: hi - n][over[: hi - n]].sum())
 
     def area(self, g: Gap) -> float:
         """Over-line ``bytes x seconds`` that offloading this gap could remove."""
@@ -352,6 +428,10 @@ class _Planner:
     def _lower(self, lo: int, hi: int, size: float) -> None:
         if hi <= lo:
             return
+        if hi <= self.n:  # no wrap: a slice does what the index array does, faster
+            self.curve[lo:hi] -= size
+            self.over[lo:hi] = self.curve[lo:hi] > self.line
+            return
         idx = np.arange(lo, hi) % self.n
         self.curve[idx] -= size
         self.over[idx] = self.curve[idx] > self.line
@@ -406,8 +486,12 @@ class _Planner:
             # with the tensor back the slot must stay under the line (G10's code tests
             # the slot before adding the tensor; ``strict_line=False`` does that)
             add = size if self.strict_line else 0.0
-            while q > o.evict_done + 1 and self.curve[q - 1] + add < self.line:
-                q -= 1
+            # q walks back from p while the slot before it passes, never past the
+            # eviction: it stops just after the last slot in between that fails
+            lo = o.evict_done + 1
+            if q > lo:
+                fails = np.flatnonzero(~(self.curve[lo:q] + add < self.line))
+                q = lo + int(fails[-1]) + 1 if fails.size else lo
             if q < p:
                 self.curve[q:p] += size
                 self.over[q:p] = self.curve[q:p] > self.line
