@@ -218,10 +218,15 @@ def test_deeptm_range_max_equals_the_max_over_each_circular_run():
         assert got.tolist() == want
 
 
-def test_deeptm_covered_equals_the_cover_matrix_product():
-    """``_Ilp.covered`` (difference array over each gap's run of ops) is the sparse
-    cover matrix times the vector, exactly, on a real trace's units."""
+def test_deeptm_cover_queries_equal_the_cover_matrix():
+    """deeptm never builds its op x unit cover matrix (each unit's gap is one circular
+    run of ops); what it asks of it instead (``covered``: the matrix times a vector;
+    ``_cover_rows``: some of its rows for the LP, entries in the same order; ``_ops``:
+    a unit's ops; ``_units_over``: the units over some ops) equals the matrix built
+    gap by gap, exactly, on a real trace's units, runs that wrap past the last op
+    included."""
     import numpy as np
+    from scipy.sparse import csr_matrix
 
     from tierflow.policies.deeptm import _Ilp, build_units
     from tierflow.synthetic import gpt_trace
@@ -232,7 +237,22 @@ def test_deeptm_covered_equals_the_cover_matrix_product():
     units = build_units(trace, budget, 2 * 2**20)
     assert len(units) > 10
     ilp = _Ilp(trace, hw, budget, units, hw.offload_tiers, node_limit=50)
+    n = trace.n_ops
+    cover = np.zeros((n, len(units)))  # how many times each unit's gap covers each op
+    for i, u in enumerate(units):
+        for op in range(u.after_op + 1, u.end):
+            cover[op % n, i] += 1
+    assert any(u.end > n for u in units)  # some runs wrap
     rng = np.random.default_rng(1)
     for _ in range(5):
         x = rng.integers(0, 2, size=len(units)) * ilp.size
-        assert ilp.covered(x).tolist() == (ilp.cover @ x).tolist()
+        assert ilp.covered(x).tolist() == (cover @ x).tolist()
+        ops = np.sort(rng.choice(n, size=int(rng.integers(1, n)), replace=False))
+        rows = ilp._cover_rows(ops)
+        want = csr_matrix(cover)[ops]  # what the LP's rows were sliced from before
+        assert rows.indptr.tolist() == want.indptr.tolist()
+        assert rows.indices.tolist() == want.indices.tolist()
+        assert rows.data.tolist() == want.data.tolist()
+        assert ilp._units_over(ops).tolist() == np.flatnonzero(cover[ops].any(axis=0)).tolist()
+    for i in range(len(units)):
+        assert sorted(np.arange(n)[ilp._ops(i)].tolist()) == np.flatnonzero(cover[:, i]).tolist()

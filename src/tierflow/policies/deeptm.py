@@ -54,6 +54,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -63,6 +64,9 @@ from ..plan import Plan
 from ..trace import Gap, Trace
 from . import PolicyOptions, register
 from ._common import Planner, gap_end, gap_ops, issue_order, no_fit
+
+if TYPE_CHECKING:
+    from scipy import sparse
 
 N_FEATURES = 4  # size, frequency, gap length, recency
 
@@ -145,8 +149,6 @@ class _Ilp:
         self, trace: Trace, hw: Hardware, budget: float, units: list[Unit], tiers: tuple[str, ...], node_limit: int,
         repair_tries: int = 16,
     ):
-        from scipy import sparse
-
         self.trace, self.hw, self.budget, self.units, self.tiers = trace, hw, budget, units, tiers
         self.node_limit = node_limit
         self.repair_tries = repair_tries
@@ -155,17 +157,15 @@ class _Ilp:
         a = np.array([u.after_op for u in units], dtype=np.int64)
         end = np.array([u.end for u in units], dtype=np.int64)
         lens = end - a - 1
-        total = int(lens.sum())
-        offs = np.repeat(np.cumsum(lens) - lens, lens)
-        rows = (np.repeat(a + 1, lens) + np.arange(total) - offs) % n
-        cols = np.repeat(np.arange(U), lens)
-        self.cover = sparse.csr_matrix((np.ones(total), (rows, cols)), shape=(n, U))
-        self.cover_t = self.cover.T.tocsr()  # unit x op: the ops each unit's gap covers
-        # each unit covers one circular run of ops: [start, start + span) on the trace
-        # laid twice end to end (what _RangeMax answers maxima over)
+        # Each unit's gap covers one circular run of ops: [start, start + span) on the
+        # trace laid twice end to end. The op x unit cover matrix this describes is not
+        # built: on long traces it has tens of millions of entries, and every question
+        # asked of it (a unit's ops, the units over some ops, a few of its rows for the
+        # LP) is answered from the runs directly (_ops, _units_over, _cover_rows).
         self.start = (a + 1) % n
         self.span = np.minimum(lens, n)
         self._laps, self._rest = lens // n, lens % n  # whole iterations a gap spans, and the rest
+        self._bounds = list(zip(self.start.tolist(), (self.start + self.span).tolist()))  # for _ops, as ints
         self.size = np.array([u.nbytes for u in units], dtype=np.float64)
         self.deficit = trace.live_bytes.astype(np.float64) - budget
         self.caps = np.array([hw.tier(t).capacity for t in tiers], dtype=np.float64)
@@ -180,16 +180,48 @@ class _Ilp:
         self.exposed = np.maximum(rt - gap_s[:, None], 0.0)
 
     def covered(self, x: np.ndarray) -> np.ndarray:
-        """``self.cover @ x``: per op, the sum of ``x`` over the units whose gap covers
-        it. Each gap is one circular run of ops, so a difference array and a prefix sum
-        give it in O(ops + units) rather than O(every (op, unit) pair). ``x`` holds
-        whole bytes, so every partial sum is an exact float and the result is the
-        matrix product's, bit for bit."""
+        """The op x unit cover matrix times ``x``: per op, the sum of ``x`` over the
+        units whose gap covers it. Each gap is one circular run of ops, so a
+        difference array and a prefix sum give it in O(ops + units) rather than
+        O(every (op, unit) pair). ``x`` holds whole bytes, so every partial sum is an
+        exact float and the result is the matrix product's, bit for bit."""
         n = self.n
         d = np.bincount(self.start, weights=x, minlength=2 * n + 1)
         d -= np.bincount(self.start + self._rest, weights=x, minlength=2 * n + 1)
         run = np.cumsum(d[: 2 * n])
         return run[:n] + run[n:] + float(x @ self._laps)
+
+    def _ops(self, u: int) -> slice | np.ndarray:
+        """The ops unit ``u``'s gap covers, as an index into a per-op array: a slice
+        (a view, no copy) unless the run wraps past the last op. Every use adds to or
+        compares these ops elementwise, so their order does not matter."""
+        s, e = self._bounds[u]
+        if e <= self.n:
+            return slice(s, e)
+        return np.concatenate([np.arange(s, self.n), np.arange(e - self.n)])
+
+    def _units_over(self, ops: np.ndarray) -> np.ndarray:
+        """The units (ascending) whose gap covers at least one of ``ops``: a prefix
+        count of the marked ops over the trace laid twice answers every run at once."""
+        mark = np.zeros(2 * self.n, dtype=np.int64)
+        mark[ops] = 1
+        mark[ops + self.n] = 1
+        pre = np.concatenate([[0], np.cumsum(mark)])
+        return np.flatnonzero(pre[self.start + self.span] > pre[self.start])
+
+    def _cover_rows(self, ops: np.ndarray) -> sparse.csr_matrix:
+        """Rows ``ops`` of the op x unit cover matrix (how many times each unit's gap
+        covers the op: its whole laps of the trace, plus one if the op is in the rest
+        of its run), with the same entries in the same order (units ascending in each
+        row) as slicing the full matrix, so the LP built from it is the same."""
+        from scipy import sparse
+
+        count = self._laps[None, :] + ((ops[:, None] - self.start[None, :]) % self.n < self._rest[None, :])
+        r, u = np.nonzero(count)  # row-major: units ascending within each row
+        indptr = np.concatenate([[0], np.cumsum(np.bincount(r, minlength=ops.size))])
+        return sparse.csr_matrix(
+            (count[r, u].astype(np.float64), u, indptr), shape=(ops.size, len(self.units))
+        )
 
     def solve(self, weights: np.ndarray) -> tuple[np.ndarray, str]:
         """(tier index per unit or -1; all -2 when infeasible, and how it was solved).
@@ -219,7 +251,7 @@ class _Ilp:
         lo = hi = np.zeros(U * K)
         for _ in range(12):
             r = np.array(sorted(rows))
-            Cs = self.cover[r].multiply(self.size[None, :]).tocsr()
+            Cs = self._cover_rows(r).multiply(self.size[None, :]).tocsr()
             cons = [LinearConstraint(sparse.hstack([Cs] * K).tocsr(), lb=self.deficit[r], ub=np.inf), one]
             for k in range(K):
                 if math.isfinite(self.caps[k]):
@@ -266,11 +298,10 @@ class _Ilp:
         K = len(self.tiers)
         if K < 2:
             return choice
-        cover_t = self.cover_t
         occ = np.stack([self.covered((choice == k) * self.size) for k in range(K)])
         for u in np.flatnonzero(choice > 0).tolist():
             k0 = int(choice[u])
-            col = cover_t.indices[cover_t.indptr[u] : cover_t.indptr[u + 1]]
+            col = self._ops(u)
             for k in range(k0):
                 if cost[u, k] <= cost[u, k0] and (occ[k, col] + self.size[u] <= self.caps[k]).all():
                     occ[k0, col] -= self.size[u]
@@ -310,13 +341,15 @@ class _Ilp:
         goes back to the device if every op stays covered without it (a greedy cover
         can take a unit that later ones make redundant)."""
         on = (choice >= 0) * self.size
-        slack = self.covered(on) - self.deficit  # bytes each op is covered beyond its deficit
-        cover_t = self.cover_t
+        # bytes each op over the budget is covered beyond its deficit, and +inf at the
+        # ops within it (any unit may leave those; inf stays inf): then one min over a
+        # unit's ops decides it (rounding is monotone, so min(slack) - size is the
+        # least of slack - size over those ops)
+        slack = np.where(self.deficit > 0, self.covered(on) - self.deficit, np.inf)
         taken = np.flatnonzero(choice >= 0)
         for u in taken[np.lexsort((taken, -cost[taken, choice[taken]]))].tolist():
-            col = cover_t.indices[cover_t.indptr[u] : cover_t.indptr[u + 1]]
-            over = col[self.deficit[col] > 0]
-            if not over.size or (slack[over] - self.size[u] >= -0.5).all():
+            col = self._ops(u)
+            if slack[col].min(initial=np.inf) - self.size[u] >= -0.5:
                 choice[u] = -1
                 slack[col] -= self.size[u]
         return choice
@@ -337,19 +370,15 @@ class _Ilp:
         if not short.size:
             return choice
         # only units over an op that is short can help, and the short ops only shrink
-        cand = np.unique(self.cover[short].indices)
+        cand = self._units_over(short)
         cand = cand[(choice[cand] < 0) & (cand != exclude)]
         if not cand.size:
             return None
-        sub = self.cover_t[cand]  # candidate x op
-        start, span = self.start[cand], self.span[cand]
-
-        def per_cand_max(values: np.ndarray) -> np.ndarray:
-            """Max of ``values`` over each candidate's ops (-inf for one with none).
-            A range-maximum table answers every candidate's run at once: O(n log n)
-            per call instead of touching every (candidate, op) pair, which on a
-            9,000-op trace with long gaps is millions of reads per greedy step."""
-            return _range_max(values, start, span)
+        # Max of a per-op array over each candidate's ops (-inf for one with none). A
+        # range-maximum table answers every candidate's run at once: O(n log n) per
+        # call instead of touching every (candidate, op) pair, which on a 9,000-op
+        # trace with long gaps is millions of reads per greedy step.
+        per_cand_max = _RangeMax(self.start[cand], self.span[cand])
 
         occ = np.stack([self.covered((choice == k) * self.size) for k in range(K)])
         size, free = self.size[cand], np.ones(cand.size, dtype=bool)
@@ -369,7 +398,7 @@ class _Ilp:
             if not math.isfinite(ratio[i, k]):
                 return None
             u = int(cand[i])
-            col = sub.indices[sub.indptr[i] : sub.indptr[i + 1]]
+            col = self._ops(u)
             choice[u], free[i] = k, False
             left[col] -= self.size[u]
             occ[k, col] += self.size[u]
@@ -392,13 +421,12 @@ class _Ilp:
         choice = np.full(U, -1)
         best_k = cost.argmin(axis=1)
         order = np.lexsort((np.arange(U), cost[np.arange(U), best_k] / np.maximum(self.size, 1)))
-        cover = self.cover.tocsc()
         left = self.deficit.copy()
         occ = np.zeros((len(self.tiers), self.n))
         for u in order.tolist():
             if (left <= 0).all():
                 break
-            col = cover[:, u].indices
+            col = self._ops(u)
             if not (left[col] > 0).any():
                 continue
             for k in np.argsort(cost[u], kind="stable").tolist():
@@ -410,31 +438,46 @@ class _Ilp:
         return choice
 
 
-def _range_max(values: np.ndarray, start: np.ndarray, span: np.ndarray) -> np.ndarray:
+class _RangeMax:
     """``max(values[(start[i] + j) % n] for j in range(span[i]))`` for every i, -inf
-    where ``span[i]`` is 0 (``span <= n``). A sparse table over ``values`` laid twice
-    end to end (so a run that wraps past the last op is one range): level ``j`` holds
-    the maxima of windows of ``2**j``; a run of length L is the max of the two windows
-    of the largest ``2**j <= L`` at its two ends. Maxima are exact, so this gives the
-    same floats as reducing over each run's ops."""
-    doubled = np.concatenate([values, values])
-    out = np.full(start.size, -np.inf)
-    live = span > 0
-    if not live.any():
+    where ``span[i]`` is 0 (``span <= n``), for fixed runs and any ``values``. A sparse
+    table over ``values`` laid twice end to end (so a run that wraps past the last op
+    is one range): level ``j`` holds the maxima of windows of ``2**j``; a run of length
+    L is the max of the two windows of the largest ``2**j <= L`` at its two ends.
+    Maxima are exact, so this gives the same floats as reducing over each run's ops.
+    The runs' levels and window ends are worked out once here: the greedy cover asks
+    about the same runs at every step, with new values."""
+
+    def __init__(self, start: np.ndarray, span: np.ndarray):
+        self.size = start.size
+        live = np.flatnonzero(span > 0)
+        s, L = start[live], span[live]
+        level = np.floor(np.log2(L)).astype(np.int64)
+        self.top = int(level.max()) if live.size else -1
+        # per level: (which runs, the windows' first ends, their second ends)
+        self.levels: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+        for j in np.unique(level).tolist():
+            pick = level == j
+            lo = s[pick]
+            self.levels.append((j, live[pick], lo, lo + L[pick] - (1 << j)))
+
+    def __call__(self, values: np.ndarray) -> np.ndarray:
+        out = np.full(self.size, -np.inf)
+        if self.top < 0:
+            return out
+        table = [np.concatenate([values, values])]
+        for j in range(1, self.top + 1):
+            prev, w = table[-1], 1 << (j - 1)
+            table.append(np.maximum(prev[:-w], prev[w:]))
+        for j, runs, lo, hi in self.levels:
+            t = table[j]
+            out[runs] = np.maximum(t[lo], t[hi])
         return out
-    s, L = start[live], span[live]
-    level = np.floor(np.log2(L)).astype(np.int64)
-    table = [doubled]
-    for j in range(1, int(level.max()) + 1):
-        prev, w = table[-1], 1 << (j - 1)
-        table.append(np.maximum(prev[:-w], prev[w:]))
-    res = np.empty(s.size)
-    for j in np.unique(level).tolist():
-        pick = level == j
-        t, lo = table[j], s[pick]
-        res[pick] = np.maximum(t[lo], t[lo + L[pick] - (1 << j)])
-    out[live] = res
-    return out
+
+
+def _range_max(values: np.ndarray, start: np.ndarray, span: np.ndarray) -> np.ndarray:
+    """:class:`_RangeMax` for one set of values."""
+    return _RangeMax(start, span)(values)
 
 
 def _plan_from(trace: Trace, hw: Hardware, budget: float, units: list[Unit], tiers: tuple[str, ...], choice: np.ndarray, meta: dict) -> Plan:
