@@ -246,7 +246,11 @@ def test_tier_repair_swaps_a_slow_arrival_with_a_fast_tier_stay(gpt):
     from tierflow.plan import Plan
     from tierflow.policies._tierflow_loop import _tier_repairs, repair, simulate_score
 
-    trace, hw = gpt
+    # A machine whose SSD has its own link to the GPU (GPUDirect), so that a tensor's
+    # tier decides which copy engine it queues on (rtx4090-24g stages SSD traffic
+    # through host memory: one engine for both).
+    trace, _ = gpt
+    hw = load_hardware("a100-40g-pcie4-nvme")
     small = hw.with_tier("host", capacity=float(trace.peak_live_bytes * 0.05))
     budget = int(trace.peak_live_bytes * 0.5)
     own = make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0)

@@ -1,7 +1,13 @@
 """The copy engines: transfers as fluid flows over shared links, buses and tiers.
 
-Every (source tier, destination tier) pair has one copy engine that serves its transfers
-in order (as a CUDA copy stream does). Demand faults are not queued: a fault is
+The device has one copy engine per link that leaves or enters it, and it serves the
+transfers over that link in order (as a CUDA copy stream does). A transfer whose route
+is staged through another tier (a GPU without GPUDirect Storage reaches its SSD through
+host memory: the GPU copies to a host buffer, the host writes it out) queues on the
+engine of its device-side link, behind host-memory copies, as the GPU copy engine
+serves both; where the SSD has its own link to the device it has its own engine. So
+an eviction's queue does not depend on which tier behind that link it goes to, only on
+the link. Demand faults are not queued: a fault is
 serviced when it happens, as a UVM driver services faults in batches, not behind the
 prefetches and evictions already queued on that pair nor behind other faults (their
 latencies overlap). A transfer at the head of an engine, and every fault, first waits
@@ -65,7 +71,9 @@ class CopyEngines:
             if tier.write_bw != math.inf:
                 self._resource(f"write:{tier.name}", tier.write_bw)
         self._routes: dict[tuple[str, str], tuple[tuple[int, ...], tuple[str, ...], float]] = {}
-        self._queues: dict[tuple, deque[Flow]] = {}  # (src, dst), or (src, dst, n) for fault n
+        self._engine: dict[tuple[str, str], tuple] = {}  # (src, dst) -> its engine's queue key
+        # one queue per engine (see the module docstring), and one per fault ("fault", n)
+        self._queues: dict[tuple, deque[Flow]] = {}
         self._faults = 0
         self.active: list[Flow] = []  # heads of the queues
         self.window_start = math.inf  # traffic is counted from here on
@@ -91,6 +99,13 @@ class CopyEngines:
                 names += [f"read:{src}", f"write:{dst}"]
                 res = tuple(sorted({self._res_index[n] for n in names if n in self._res_index}))
                 self._routes[key] = (res, tuple(link.name for link in path), self.hw.route_latency(src, dst))
+                dev = self.hw.device
+                if path[0].src == dev:
+                    self._engine[key] = ("engine", path[0].name)
+                elif path[-1].dst == dev:
+                    self._engine[key] = ("engine", path[-1].name)
+                else:  # a route that does not touch the device: an engine of its own
+                    self._engine[key] = ("engine", src, dst)
         return self._routes[key]
 
     def reachable(self, src: str, dst: str) -> bool:
@@ -115,9 +130,9 @@ class CopyEngines:
         f.remaining = float(nbytes)
         if kind == "fault":
             self._faults += 1
-            key: tuple = (src, dst, self._faults)
+            key: tuple = ("fault", self._faults)
         else:
-            key = (src, dst)
+            key = self._engine[(src, dst)]
         f.extra["queue"] = key
         q = self._queues.get(key)
         if q is None:  # (not setdefault: that would build a deque for every transfer)
@@ -217,7 +232,7 @@ class CopyEngines:
         q.popleft()
         if q:
             self._activate(q[0])
-        elif len(key) == 3:
+        elif key[0] == "fault":
             del self._queues[key]  # a fault's own queue
 
     def run_until(self, t: float) -> None:
