@@ -93,3 +93,22 @@ def test_simulation_is_deterministic():
     a = simulate(t, hw, make_plan("deepum", t, hw, budget="60%"))
     b = simulate(t, hw, make_plan("deepum", t, hw, budget="60%"))
     assert a.to_dict() == b.to_dict() and a.transfers == b.transfers
+
+
+@pytest.mark.parametrize(("preset", "one_engine"), [("rtx4090-24g", True), ("a100-40g-pcie4-nvme", False)])
+def test_ssd_copies_share_the_host_engine_only_when_staged_through_host(preset, one_engine):
+    # rtx4090-24g reaches its SSD through host memory: the GPU copy engine carries both
+    # evictions, in order. a100-40g-pcie4-nvme has a GPU->SSD link of its own: the host
+    # copy starts at once beside the SSD one.
+    from tierflow import load_hardware
+    from tierflow.simulate.engine import CopyEngines
+
+    eng = CopyEngines(load_hardware(preset))
+    to_ssd = eng.submit(0, 400 * MB, "gpu", "ssd", "evict", None)
+    to_host = eng.submit(1, 100 * MB, "gpu", "host", "evict", None)
+    while eng.busy():
+        eng.step()
+    if one_engine:  # it waits for the SSD copy, then for its own latency
+        assert to_host.start_s >= to_ssd.end_s
+    else:
+        assert to_host.end_s < to_ssd.end_s

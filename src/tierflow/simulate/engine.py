@@ -7,9 +7,13 @@ host memory: the GPU copies to a host buffer, the host writes it out) queues on 
 engine of its device-side link, behind host-memory copies, as the GPU copy engine
 serves both; where the SSD has its own link to the device it has its own engine. So
 an eviction's queue does not depend on which tier behind that link it goes to, only on
-the link. Demand faults are not queued: a fault is
+the link. A staged transfer holds its engine until its last byte has reached the SSD
+(or the device): the pessimistic end for a runtime with plenty of pinned staging
+memory, whose copies could run ahead of the SSD, and the right one for tierflow's
+runtime, which stages through a bounce buffer of at most 256 MiB on one copy stream
+and waits for the SSD once that is full. Demand faults are not queued: a fault is
 serviced when it happens, as a UVM driver services faults in batches, not behind the
-prefetches and evictions already queued on that pair nor behind other faults (their
+prefetches and evictions already queued on that engine nor behind other faults (their
 latencies overlap). A transfer at the head of an engine, and every fault, first waits
 out its latency, then moves bytes. All moving transfers share bandwidth max-min
 fairly over the resources they cross: each link of their route, each bus those links
