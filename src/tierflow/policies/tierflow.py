@@ -79,7 +79,7 @@ from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Trace
 from . import PolicyOptions, register
-from ._tierflow_loop import improve, improve_targeted, score_key, simulate_score
+from ._tierflow_loop import gains, improve, improve_targeted, score_key, simulate_score
 
 
 @dataclass(frozen=True)
@@ -576,13 +576,31 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     seed_score = score
     used = 0
     c1 = time.process_time()
+    repaired = []
     if score > ideal:
-        # all stalls at once first (cheap, large steps), then one stall at a time
-        # with what is left of the budget (small steps; see improve_targeted)
-        first = min(_GLOBAL_ROUNDS, size.repair_rounds // 2) if size.repair_rounds > 1 else size.repair_rounds
-        score, plan, res, used = improve(trace, hardware, plan, score, res, first)
-        score, plan, res, more = improve_targeted(trace, hardware, plan, score, res, size.repair_rounds - used)
-        used += more
+        # The best seed is repaired first. The loop often stops before its budget is
+        # spent (nothing left to try), and the best seed is not always the best start:
+        # a reactive seed a little behind a planned one can repair to well ahead of
+        # it. So what is left of the budget repairs the next seeds, best first, and the
+        # best repaired plan wins (ties to the better seed).
+        for s0, _, n0, p0, r0 in scored[:_REPAIRED_SEEDS]:
+            left = size.repair_rounds - used
+            if repaired and (left <= 0 or not math.isfinite(s0)):
+                break
+            # all stalls at once first (cheap, large steps), then one stall at a time
+            # with what is left (small steps; see improve_targeted)
+            first = min(_GLOBAL_ROUNDS, left // 2) if left > 1 else left
+            s1, p1, r1, n_used = improve(trace, hardware, p0, s0, r0, first)
+            s1, p1, r1, more = improve_targeted(trace, hardware, p1, s1, r1, left - n_used)
+            used += n_used + more
+            repaired.append((s1, n0, s0, p1, r1))
+            if s1 <= ideal:
+                break
+        best = repaired[0]
+        for cand in repaired[1:]:
+            if gains(cand[0], best[0]):
+                best = cand
+        score, name, seed_score, plan, res = best
     final = Plan(
         "tierflow",
         plan.moves,
@@ -599,6 +617,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             "seed_cpu_s": cpu,
             "repair_cpu_s": time.process_time() - c1,
             "seed_step_s": seed_score,
+            "repaired_seeds": {n: (s0, s1) for s1, n, s0, _, _ in repaired},
             "repair_simulations": used,
             "budget": {"repair_rounds": size.repair_rounds, "g10_variants": size.g10_variants,
                        "deeptm_episodes": size.deeptm_episodes},
@@ -615,6 +634,9 @@ _DEEPTM_EPISODES = 3
 
 # Repair simulations of the first, all-stalls-at-once phase (at most half the budget).
 _GLOBAL_ROUNDS = 12
+
+# At most this many seeds, best first, share the repair budget (see ``tierflow``).
+_REPAIRED_SEEDS = 3
 
 # The knob setting tierflow's own greedy pass uses (see :class:`Knobs`).
 _GRID = (Knobs(0.9, 0.0, 0),)
