@@ -439,7 +439,7 @@ _G10_SEEDS = (
 # so that the plan stays a function of its inputs whatever the machine's load (a
 # wall-clock cap would make it depend on the load). At the default, G10's workloads
 # (929-2319 ops) get the whole portfolio and 30-48 repair simulations, and a 9,600-op
-# captured model gets 7 repair simulations, two g10 settings and one deeptm episode
+# captured model gets 7 repair simulations, one g10 setting and two deeptm episodes
 # (a simulation costs 0.05-0.15 s on the former, 0.1-0.3 s on the latter here).
 _WORK_OPS = 70_000
 
@@ -467,7 +467,7 @@ class Budget:
         per = max(work // n, 0)  # simulations the budget buys
         rounds = min(int(opts.get("repair_rounds", 48)), max(per, 1))
         g10 = min(len(_G10_SEEDS), max(per // 4, 1))
-        episodes = min(_DEEPTM_EPISODES, max(per // 10, 1))
+        episodes = min(_DEEPTM_EPISODES, max(per // 3, 1))
         return cls(rounds, g10, episodes)
 
 
