@@ -142,9 +142,10 @@ def test_work_budget_sizes_the_loop():
     from tierflow.policies.tierflow import _G10_SEEDS, Budget
 
     small, large = Budget.for_trace(1300, {}), Budget.for_trace(9600, {})
-    assert small.g10_variants == len(_G10_SEEDS) and small.deeptm_episodes >= 2
-    assert large.repair_rounds < small.repair_rounds and large.deeptm_episodes == 1
+    assert small.g10_variants == len(_G10_SEEDS) and small.deeptm_episodes == 3
+    assert large.repair_rounds < small.repair_rounds and large.deeptm_episodes == 2
     assert large.g10_variants < small.g10_variants
+    assert Budget.for_trace(30_000, {}).deeptm_episodes == 1
     assert Budget.for_trace(1000, {"work_ops": 3000}).repair_rounds == 3
     assert Budget.for_trace(1000, {"work_ops": 10**9, "repair_rounds": 5}).repair_rounds == 5
 
