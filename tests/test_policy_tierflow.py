@@ -312,3 +312,25 @@ def test_loop_scores_a_planned_plan_as_simulate_does(gpt):
     assert validate(plan, trace, hw).start_tier  # something starts off the device
     score, _ = simulate_score(trace, hw, plan)
     assert score == simulate(trace, hw, plan).time_s
+
+
+def test_budget_left_by_the_best_seed_repairs_the_next_ones():
+    # Random case 1103 of benchmarks/robustness.py: the best seed's loop stops early, so
+    # the next seeds are repaired too (best first, at most three), each repair never
+    # worse than its seed, and the plan returned is the best repaired one.
+    from tierflow.synthetic import toy_hardware, training_trace
+
+    trace = training_trace(4, [54, 2, 28, 50, 50, 26, 35, 55, 21, 11, 23, 36, 54, 50, 22, 39, 29, 56],
+                           [21, 1, 29, 20, 8, 6, 16, 23, 8, 30, 27, 29, 5, 13])
+    hw = toy_hardware(pcie_gbps=1.0, host_gib=0.05, fault_us=45.0)
+    plan = make_plan("tierflow", trace, hw, budget=245_325_608)
+    repaired = plan.meta["repaired_seeds"]
+    assert 1 < len(repaired) <= 3
+    assert plan.meta["repair_simulations"] <= plan.meta["budget"]["repair_rounds"]
+    seeds = sorted(plan.meta["seed_scores"].items(), key=lambda kv: kv[1])
+    assert list(repaired) == [name for name, _ in seeds[: len(repaired)]]
+    for seed_step, repaired_step in repaired.values():
+        assert repaired_step <= seed_step
+    best = min(step for _, step in repaired.values())
+    assert simulate(trace, hw, plan).time_s == pytest.approx(best, rel=1e-12)
+    assert plan.meta["predicted_step_s"] == best
