@@ -32,21 +32,10 @@ import numpy as np
 from tierflow.errors import PlanError
 from tierflow.policies import make_plan, min_working_set, policy_names
 from tierflow.simulate import simulate
-from tierflow.synthetic import toy_hardware, training_trace
+from tierflow.synthetic import UPGRADES, toy_hardware, training_trace, upgraded
 
 REL_TOL = 1e-9
-KINDS = ("links", "host-links", "ssd-links", "host-memory")
 FACTORS = (1.5, 2.0, 4.0, 10.0)
-
-
-def upgraded(hw, kind: str, factor: float):
-    if kind == "links":
-        return hw.scaled_links(factor)
-    if kind == "host-links":
-        return hw.scaled_links(factor, "host")
-    if kind == "ssd-links":
-        return hw.scaled_links(factor, "ssd")
-    return hw.with_tier("host", capacity=hw.tier("host").capacity * factor)
 
 
 def draw_case(rng: np.random.Generator):
@@ -63,7 +52,7 @@ def draw_case(rng: np.random.Generator):
         host_gib=float(rng.choice([0.05, 0.2, 64.0])),
         fault_us=float(rng.choice([0.0, 45.0])),
     )
-    kind = str(rng.choice(KINDS))
+    kind = str(rng.choice(UPGRADES))
     factor = float(rng.choice(FACTORS))
     return trace, budget, hw, kind, factor
 

@@ -30,7 +30,7 @@ from helpers import simple_hw
 from tierflow.errors import PlanError
 from tierflow.policies import make_plan, min_working_set, policy_names
 from tierflow.simulate import simulate
-from tierflow.synthetic import training_trace
+from tierflow.synthetic import UPGRADES, training_trace, upgraded
 
 # Some tiny traces would make the LP pager's step time hinge on float ties; a relative
 # tolerance keeps the property about real slowdowns, not rounding.
@@ -46,19 +46,9 @@ def training_traces(draw):
     return training_trace(layers, sizes, durations)
 
 
-UPGRADES = ("links", "host-links", "ssd-links", "host-memory")
-
-
 def upgrade(kind: str, factor: float):
     """(label, function hardware -> upgraded hardware)."""
-    if kind == "links":
-        return f"all links x{factor}", lambda hw: hw.scaled_links(factor)
-    if kind == "host-links":
-        return f"host links x{factor}", lambda hw: hw.scaled_links(factor, "host")
-    if kind == "ssd-links":
-        return f"ssd links x{factor}", lambda hw: hw.scaled_links(factor, "ssd")
-    assert kind == "host-memory"
-    return f"host memory x{factor}", lambda hw: hw.with_tier("host", capacity=hw.tier("host").capacity * factor)
+    return f"{kind} x{factor}", lambda hw: upgraded(hw, kind, factor)
 
 
 @st.composite
@@ -219,3 +209,22 @@ def test_pager_host_memory_anomaly(name, layers, sizes, budget, pcie, first, lat
         times.append(runs[1].time_s)
     assert dest == [("ssd", "host"), ("host", "ssd")]
     assert times[1] > times[0]
+
+
+def test_upgrades_scale_only_what_they_name():
+    hw = simple_hw(pcie_gbps=4.0, host_gib=0.05)
+    bw = lambda h, a, b: h.route_bandwidth(a, b)  # noqa: E731
+    host_up = upgraded(hw, "host-memory", 2.0)
+    assert host_up.tier("host").capacity == 2 * hw.tier("host").capacity
+    assert bw(host_up, "gpu", "host") == bw(hw, "gpu", "host")
+    links_up = upgraded(hw, "links", 4.0)
+    assert bw(links_up, "gpu", "host") == 4 * bw(hw, "gpu", "host")
+    assert links_up.tier("host").capacity == hw.tier("host").capacity
+    with pytest.raises(ValueError, match="unknown upgrade 'gpu-memory'"):
+        upgraded(hw, "gpu-memory", 2.0)
+
+
+def test_training_trace_checks_its_lists():
+    assert training_trace(2, [1] * 10, [1] * 8).n_ops == 8
+    with pytest.raises(ValueError, match="needs 10 sizes and 8 durations, got 9 and 8"):
+        training_trace(2, [1] * 9, [1] * 8)

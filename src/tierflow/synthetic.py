@@ -183,3 +183,24 @@ def toy_hardware(pcie_gbps: float = 10.0, host_gib: float = 64, fault_us: float 
     hw = hw.with_tier("gpu", capacity=float(2**30))
     hw = hw.with_tier("host", capacity=float(host_gib * 2**30))
     return hw.with_tier("ssd", latency_s=0.0)
+
+
+UPGRADES = ("links", "host-links", "ssd-links", "host-memory")
+
+
+def upgraded(hw: Hardware, kind: str, factor: float) -> Hardware:
+    """``hw`` with one resource ``factor`` times larger: ``links`` (every link and bus),
+    ``host-links`` or ``ssd-links`` (those touching that tier, and their buses) or
+    ``host-memory`` (the host's capacity). The machine upgrades of the robustness
+    property (a better machine must never give a slower step).
+
+    Raises:
+        ValueError: for another ``kind``.
+    """
+    if kind == "links":
+        return hw.scaled_links(factor)
+    if kind in ("host-links", "ssd-links"):
+        return hw.scaled_links(factor, kind.split("-")[0])
+    if kind == "host-memory":
+        return hw.with_tier("host", capacity=hw.tier("host").capacity * factor)
+    raise ValueError(f"unknown upgrade {kind!r}: one of {', '.join(UPGRADES)}")
