@@ -334,3 +334,30 @@ def test_budget_left_by_the_best_seed_repairs_the_next_ones():
     best = min(step for _, step in repaired.values())
     assert simulate(trace, hw, plan).time_s == pytest.approx(best, rel=1e-12)
     assert plan.meta["predicted_step_s"] == best
+
+
+def test_queued_repair_issues_a_late_prefetch_ahead_of_its_queue():
+    # A prefetch that was late and had waited in its copy engine's queue is issued
+    # earlier by its wait plus its lateness (the late repair moves it by its lateness
+    # only, which here changes no op), and nothing else changes.
+    from tierflow.plan import Plan
+    from tierflow.policies._tierflow_loop import repair, simulate_score
+    from tierflow.synthetic import toy_hardware, training_trace
+
+    trace = training_trace(3, [25, 60, 12, 57, 6, 38, 35, 54, 18, 55, 41, 54, 12, 46],
+                           [29, 2, 11, 20, 4, 16, 19, 23, 28, 13, 14])
+    hw = toy_hardware(pcie_gbps=16.0, host_gib=0.05)
+    budget = 269_111_651
+    own = make_plan("tierflow", trace, hw, budget=budget, portfolio=False, work_ops=0)
+    plan = Plan("x", own.moves, budget_bytes=budget)
+    _, res = simulate_score(trace, hw, plan)
+    assert repair(trace, hw, plan, res, 1.0, frozenset({"late"})) is None
+    new = repair(trace, hw, plan, res, 1.0, frozenset({"queued"}))
+    assert new is not None
+    changed = [(a, b) for a, b in zip(plan.moves, new.moves) if a != b]
+    assert changed
+    waited = {(r.tensor, r.kind) for r in res.transfers if r.start_s - r.issue_s > 1e-9}
+    for a, b in changed:
+        assert a.kind == b.kind == "prefetch" and (a.tensor, a.needed_by) == (b.tensor, b.needed_by)
+        assert b.after_op < a.after_op
+        assert (a.tensor, "prefetch") in waited
