@@ -24,22 +24,24 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    of its own settings (published bookkeeping or the machine's real figures; line at
    99% or lower; the next variant only while each so far is within 5% of the best
    seed), and, only where a planned seed leads, ``deeptm``'s ILP. Each seed is
-   simulated and the best one (shortest simulated step, ties to the earlier seed) is
-   repaired against the simulator, in two phases. First all stalls at once, each kind
-   of repair alone: prefetches that arrived while an op stalled are issued earlier by
-   the measured lateness, faults of a reactive plan get prefetch hints early enough by
-   the simulated clock, and evictions a reactive plan's pager made on demand while an
-   op waited for room are hinted earlier. Then one stall at a time, longest first
-   (:func:`._tierflow_loop.improve_targeted`), with those kinds and one more: a
+   simulated and the best one (shortest simulated step to the nanosecond, ties to the
+   earlier seed) is repaired against the simulator, in two phases. First all stalls at
+   once, each kind of repair alone: a tensor an op waited for while it came back from
+   the SSD **swaps tiers** with one that waited in host memory with time to spare; a
+   late prefetch that had **waited in its copy queue** is issued earlier by that wait
+   plus its lateness, ahead of what it waited behind; other late prefetches are issued
+   earlier by the measured lateness; faults of a reactive plan get prefetch hints early
+   enough by the simulated clock; and evictions a reactive plan's pager made on demand
+   while an op waited for room are hinted earlier. Then one stall at a time, longest
+   first (:func:`._tierflow_loop.improve_targeted`), with those kinds and two more: a
    **wasted prefetch** (prefetched, then evicted again before any op used it, then
-   fetched back) is reissued after the eviction, just in time for its use, and a
-   tensor an op waited for while it came back from the SSD swaps tiers with one that
-   waited in host memory with time to spare, and in a planned plan, where an op waits
-   for room that queued evictions would free, an eviction queued ahead of them that
-   the budget lets wait is issued later. A repair is
-   kept only if the simulated step gets shorter, so tierflow is never worse than its
-   seeds by construction; what it gains beyond them is the repair's (measured in
-   BENCHMARKS.md).
+   fetched back) is reissued after the eviction, just in time for its use, and in a
+   planned plan, where an op waits for room that queued evictions would free, an
+   eviction queued ahead of them that the budget lets wait is issued later. What the
+   loop leaves of its budget repairs the next seeds (at most three in all, best first),
+   and the best repaired plan wins. A repair is kept only if the simulated step gets
+   shorter, so tierflow is never worse than its seeds by construction; what it gains
+   beyond them is the repair's (measured in BENCHMARKS.md).
 5. **Work budget.** How many seeds and repair simulations run is set by ``work_ops``
    (simulated trace ops, see :class:`Budget`), not by a clock: the plan is a pure
    function of its inputs, and a 9,600-op trace gets fewer seeds and repairs than a
