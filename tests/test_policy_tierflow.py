@@ -146,6 +146,9 @@ def test_work_budget_sizes_the_loop():
     assert large.repair_rounds < small.repair_rounds and large.deeptm_episodes == 2
     assert large.g10_variants < small.g10_variants
     assert Budget.for_trace(30_000, {}).deeptm_episodes == 1
+    # deeptm seeds small traces whichever kind of seed leads, large ones only after a
+    # planned seed leads
+    assert Budget.for_trace(14, {}).deeptm_always and not small.deeptm_always
     assert Budget.for_trace(1000, {"work_ops": 3000}).repair_rounds == 3
     assert Budget.for_trace(1000, {"work_ops": 10**9, "repair_rounds": 5}).repair_rounds == 5
 
@@ -361,3 +364,18 @@ def test_queued_repair_issues_a_late_prefetch_ahead_of_its_queue():
         assert a.kind == b.kind == "prefetch" and (a.tensor, a.needed_by) == (b.tensor, b.needed_by)
         assert b.after_op < a.after_op
         assert (a.tensor, "prefetch") in waited
+
+
+def test_small_trace_seeds_deeptm_even_where_a_reactive_seed_leads():
+    # Random case 764 of benchmarks/robustness.py, upgraded (all links 4x): g10's
+    # reactive hints lead the seeds, and deeptm, which won on the base machine, must
+    # still be among them.
+    from tierflow.synthetic import toy_hardware, training_trace, upgraded
+
+    trace = training_trace(3, [19, 38, 25, 59, 7, 27, 47, 10, 60, 39, 34, 22, 48, 50],
+                           [16, 4, 5, 30, 20, 8, 27, 2, 12, 26, 8])
+    base = toy_hardware(pcie_gbps=16.0, host_gib=0.05)
+    plans = [make_plan("tierflow", trace, hw, budget=315_578_913) for hw in (base, upgraded(base, "links", 4.0))]
+    for plan in plans:
+        assert "deeptm" in plan.meta["seed_scores"]
+    assert plans[1].meta["predicted_step_s"] <= plans[0].meta["predicted_step_s"]
