@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import placed_problems
 from tierflow import pool
 from tierflow.pool import Buffer, Problem, best, lns
 from tierflow.pool.exact import solve_exact
@@ -96,20 +97,8 @@ def test_solve_window_with_nothing_free_keeps_the_placement():
     assert lns.solve_window(p.lower, p.upper, p.units, g, none, peak - 1, 1.0, float("inf")) == (None, "INFEASIBLE")
 
 
-@st.composite
-def placed(draw):
-    n = draw(st.integers(1, 25))
-    bufs = []
-    for i in range(n):
-        lo = draw(st.integers(0, 20))
-        bufs.append(Buffer(str(i), lo, lo + draw(st.integers(1, 9)), draw(st.integers(0, 9))))
-    p = Problem(tuple(bufs))
-    order = np.array(draw(st.permutations(range(n))), dtype=np.int64)
-    return p, best_fit(p.lower, p.upper, p.units, order)
-
-
 @settings(max_examples=60, deadline=None)
-@given(placed(), st.integers(0, 6))
+@given(placed_problems(25, 20, 9), st.integers(0, 6))
 def test_improve_is_valid_never_worse_and_deterministic(case, steps):
     p, start = case
     off, facts = lns.improve(p.lower, p.upper, p.units, start, p.lower_bound, max_steps=steps)

@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from helpers import placed_problems
 from tierflow import pool
 from tierflow.pool import Buffer, Problem
 from tierflow.pool.greedy import best_fit, size_order
@@ -48,20 +49,7 @@ def test_best_returns_the_repaired_peak_when_the_search_cannot_run():
     assert s.meta["repair"]["peaks"][-1] == s.peak
 
 
-@st.composite
-def placed(draw):
-    n = draw(st.integers(1, 30))
-    bufs = []
-    for i in range(n):
-        lo = draw(st.integers(0, 25))
-        bufs.append(Buffer(str(i), lo, lo + draw(st.integers(1, 10)), draw(st.integers(0, 9))))
-    p = Problem(tuple(bufs))
-    # any valid start: greedy's rule under a random order
-    order = np.array(draw(st.permutations(range(n))), dtype=np.int64)
-    return p, best_fit(p.lower, p.upper, p.units, order)
-
-
-@given(placed(), st.integers(0, 6))
+@given(placed_problems(30, 25, 10), st.integers(0, 6))
 def test_repair_is_valid_never_worse_and_deterministic(case, moves):
     p, start = case
     off, facts = repair(p.lower, p.upper, p.units, start, p.lower_bound, max_moves=moves)
