@@ -379,3 +379,84 @@ def test_small_trace_seeds_deeptm_even_where_a_reactive_seed_leads():
     for plan in plans:
         assert "deeptm" in plan.meta["seed_scores"]
     assert plans[1].meta["predicted_step_s"] <= plans[0].meta["predicted_step_s"]
+
+
+def test_spill_repair_brings_queued_ssd_stays_into_host_room(gpt):
+    # A reactive plan on a machine whose SSD has its own link and whose host is small:
+    # SSD stays whose fetch queued move to the host where its simulated occupancy has
+    # room; only the tier of their eviction and prefetch changes, the host never
+    # overflows, and here the step gets shorter.
+    from tierflow.policies._tierflow_loop import _spill_repairs, repair, simulate_score
+
+    trace, _ = gpt
+    hw = load_hardware("a100-40g-pcie4-nvme")
+    small = hw.with_tier("host", capacity=float(trace.peak_live_bytes * 0.1))
+    budget = int(trace.peak_live_bytes * 0.5)
+    plan = make_plan("g10", trace, small, budget=budget)
+    assert plan.reactive
+    score, res = simulate_score(trace, small, plan)
+    moves, changed = _spill_repairs(trace, small, res, list(plan.moves))
+    assert changed
+    diff = [(a, b) for a, b in zip(plan.moves, moves) if a != b]
+    assert diff and len(moves) == len(plan.moves)
+    for a, b in diff:
+        assert (a.kind, a.tensor, a.after_op, a.needed_by) == (b.kind, b.tensor, b.after_op, b.needed_by)
+        assert (a.tier, b.tier) == ("ssd", "host")
+    assert {a.tensor for a, _ in diff if a.kind == "evict"} >= {a.tensor for a, _ in diff if a.kind == "prefetch"}
+    new = repair(trace, small, plan, res, 1.0, frozenset({"spill"}))
+    assert new is not None and new.reactive
+    s2, r2 = simulate_score(trace, small, new)
+    assert r2.peak_bytes["host"] <= small.tier("host").capacity
+    assert s2 < score
+    # a planned plan is left to its planner's tiers
+    from tierflow.plan import Plan
+
+    planned = Plan("x", make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0).moves,
+                   budget_bytes=budget)
+    _, res_p = simulate_score(trace, small, planned)
+    assert repair(trace, small, planned, res_p, 1.0, frozenset({"spill"})) is None
+
+
+def test_rehint_repair_hints_a_fault_after_an_eviction_hint(gpt):
+    # A reactive plan whose prefetch hint for a use is followed by an eviction hint of
+    # the same tensor before that use: the use faults. "rehint" adds one prefetch hint
+    # for that use after the eviction and before the use; "fault" (for uses with no hint
+    # at all) leaves it alone.
+    import numpy as np
+
+    from tierflow.plan import Move, Plan
+    from tierflow.policies._tierflow_loop import repair, simulate_score
+
+    trace, hw = gpt
+    budget = int(trace.peak_live_bytes * 0.5)
+    plan = make_plan("g10", trace, hw, budget=budget)
+    _, res = simulate_score(trace, hw, plan)
+    arrived = {r.tensor: r for r in res.transfers if r.kind == "prefetch"}
+    ends = res.op_end_s
+    checked = 0
+    for m in sorted(plan.moves, key=lambda m: (-int(trace.sizes[m.tensor]), m.tensor, m.after_op)):
+        if m.kind != "prefetch" or m.needed_by is None or m.tensor not in arrived or m.after_op >= m.needed_by:
+            continue
+        e = int(np.searchsorted(ends, arrived[m.tensor].end_s, side="left"))  # it is back by then
+        uses = trace.uses(m.tensor)
+        if not m.after_op < e < m.needed_by - 2 or ((uses > m.after_op) & (uses <= e)).any():
+            continue
+        again = Plan(plan.policy, plan.moves + (Move("evict", m.tensor, e, None),), budget_bytes=budget,
+                     reactive=True, frees_dead=plan.frees_dead, refetch_dead=plan.refetch_dead,
+                     headroom=plan.headroom)
+        _, r2 = simulate_score(trace, hw, again)
+        k = m.needed_by
+        if not any(x.kind == "fault" and x.tensor == m.tensor for x in r2.transfers) or r2.op_stall_s[k] <= 0:
+            continue
+        new = repair(trace, hw, again, r2, 1.0, frozenset({"rehint"}), frozenset({k}))
+        assert new is not None
+        added = [x for x in new.moves if x not in set(again.moves)]
+        assert len(added) == 1 and len(new.moves) == len(again.moves) + 1
+        (h,) = added
+        assert (h.kind, h.tensor, h.needed_by) == ("prefetch", m.tensor, k) and e < h.after_op < k
+        fault = repair(trace, hw, again, r2, 1.0, frozenset({"fault"}), frozenset({k}))
+        assert fault is None or not any(x.tensor == m.tensor for x in fault.moves if x not in set(again.moves))
+        checked += 1
+        if checked == 2:
+            break
+    assert checked, "no prefetch hint to re-evict on this trace"

@@ -31,11 +31,15 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    late prefetch that had **waited in its copy queue** is issued earlier by that wait
    plus its lateness, ahead of what it waited behind; other late prefetches are issued
    earlier by the measured lateness; faults of a reactive plan get prefetch hints early
-   enough by the simulated clock; and evictions a reactive plan's pager made on demand
-   while an op waited for room are hinted earlier. Then one stall at a time, longest
-   first (:func:`._tierflow_loop.improve_targeted`), with those kinds and two more: a
+   enough by the simulated clock; evictions a reactive plan's pager made on demand
+   while an op waited for room are hinted earlier; and a reactive plan's SSD stays
+   whose fetch queued **spill** into host memory where its simulated occupancy has
+   room over the whole stay. Then one stall at a time, longest
+   first (:func:`._tierflow_loop.improve_targeted`), with those kinds and three more: a
    **wasted prefetch** (prefetched, then evicted again before any op used it, then
-   fetched back) is reissued after the eviction, just in time for its use, and in a
+   fetched back) is reissued after the eviction, just in time for its use; in a
+   reactive plan, a use that faulted because an eviction hint followed its prefetch
+   hint is **re-hinted** after that eviction; and in a
    planned plan, where an op waits for room that queued evictions would free, an
    eviction queued ahead of them that the budget lets wait is issued later. What the
    loop leaves of its budget repairs the next seeds (at most three in all, best first),
