@@ -180,7 +180,7 @@ def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
             # faulted them back while ops waited (0.6 s); with this kind in the targeted
             # phase: SENet-154 0.96971 -> 0.97187 of ideal (with the spill repair),
             # ResNet-152 0.98544 -> 0.98958.
-            gone = -1
+            gone = None  # the eviction hint the new prefetch hint must follow
             if i is not None:
                 if "rehint" not in kinds or moves[i].after_op >= k:
                     continue
@@ -192,7 +192,9 @@ def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
                 continue
             span = rec.end_s - rec.issue_s
             issue = (starts[k] - stall[k]) - factor * span
-            q = max(_op_before(ends, issue), gone + 1)
+            q = _op_before(ends, issue)
+            if gone is not None:
+                q = max(q, gone + 1)
             if q < 0 or q >= k:
                 continue
             added.append(Move("prefetch", t, q, None, k))
