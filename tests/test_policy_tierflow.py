@@ -146,9 +146,9 @@ def test_work_budget_sizes_the_loop():
     assert large.repair_rounds < small.repair_rounds and large.deeptm_episodes == 2
     assert large.g10_variants < small.g10_variants
     assert Budget.for_trace(30_000, {}).deeptm_episodes == 1
-    # deeptm seeds small traces whichever kind of seed leads, large ones only after a
-    # planned seed leads
-    assert Budget.for_trace(14, {}).deeptm_always and not small.deeptm_always
+    # small traces get the whole portfolio (deeptm whichever kind of seed leads, every
+    # g10 setting, every seed repaired); large ones the score-dependent cuts
+    assert Budget.for_trace(14, {}).whole_portfolio and not small.whole_portfolio
     assert Budget.for_trace(1000, {"work_ops": 3000}).repair_rounds == 3
     assert Budget.for_trace(1000, {"work_ops": 10**9, "repair_rounds": 5}).repair_rounds == 5
 
@@ -317,20 +317,29 @@ def test_loop_scores_a_planned_plan_as_simulate_does(gpt):
     assert score == simulate(trace, hw, plan).time_s
 
 
-def test_budget_left_by_the_best_seed_repairs_the_next_ones():
+@pytest.mark.parametrize(("sims", "most"), [(None, None), (150, 3)])
+def test_budget_left_by_the_best_seed_repairs_the_next_ones(sims, most):
     # Random case 1103 of benchmarks/robustness.py: the best seed's loop stops early, so
-    # the next seeds are repaired too (best first, at most three), each repair never
-    # worse than its seed, and the plan returned is the best repaired one.
+    # the next seeds are repaired too, best first, each repair never worse than its
+    # seed, and the plan returned is the best repaired one. A small trace (the default
+    # budget buys 200 simulations or more) gets the whole portfolio: every g10 setting
+    # is tried and every seed repaired; with a budget that buys fewer (``sims``
+    # simulations) g10's settings far behind are cut and at most three seeds repaired.
     from tierflow.synthetic import toy_hardware, training_trace
 
     trace = training_trace(4, [54, 2, 28, 50, 50, 26, 35, 55, 21, 11, 23, 36, 54, 50, 22, 39, 29, 56],
                            [21, 1, 29, 20, 8, 6, 16, 23, 8, 30, 27, 29, 5, 13])
     hw = toy_hardware(pcie_gbps=1.0, host_gib=0.05, fault_us=45.0)
-    plan = make_plan("tierflow", trace, hw, budget=245_325_608)
+    extra = {} if sims is None else {"work_ops": sims * trace.n_ops}
+    plan = make_plan("tierflow", trace, hw, budget=245_325_608, **extra)
     repaired = plan.meta["repaired_seeds"]
-    assert 1 < len(repaired) <= 3
-    assert plan.meta["repair_simulations"] <= plan.meta["budget"]["repair_rounds"]
     seeds = sorted(plan.meta["seed_scores"].items(), key=lambda kv: kv[1])
+    g10_settings = sum(name.startswith("g10") for name, _ in seeds)
+    if most is None:  # the whole portfolio: every g10 setting, every seed repaired
+        assert g10_settings == 4 and len(repaired) == len(seeds)
+    else:  # g10's settings far behind the best seed are cut
+        assert g10_settings < 4 and 1 < len(repaired) <= most
+    assert plan.meta["repair_simulations"] <= plan.meta["budget"]["repair_rounds"]
     assert list(repaired) == [name for name, _ in seeds[: len(repaired)]]
     for seed_step, repaired_step in repaired.values():
         assert repaired_step <= seed_step
