@@ -201,6 +201,20 @@ def test_seed_policies_on_a_g10_case(g10_dir):
         assert r.fits and 0.3 < r.ratio <= 1.0
 
 
+def test_deeptm_keeps_the_solver_debug_line_out_of_stdout(capfd):
+    # Random case 518 of benchmarks/robustness.py: scipy's HiGHS prints a debugging line
+    # to file descriptor 1 during this MIP (ERGO-Code/HiGHS#2783); deeptm keeps it out
+    # of the user's output, and what Python printed before is not lost.
+    from tierflow.synthetic import toy_hardware, training_trace
+
+    trace = training_trace(4, [34, 38, 58, 48, 30, 8, 4, 20, 13, 49, 8, 26, 6, 45, 3, 29, 21, 40],
+                           [27, 18, 15, 2, 21, 9, 22, 5, 5, 18, 25, 15, 8, 15])
+    hw = toy_hardware(pcie_gbps=1.0, host_gib=0.05, fault_us=45.0)
+    print("ours", end="")  # still in Python's buffer when the solver starts
+    make_plan("deeptm", trace, hw, budget=249_458_947)
+    assert capfd.readouterr().out == "ours"
+
+
 def test_deeptm_range_max_equals_the_max_over_each_circular_run():
     """The range-maximum table deeptm's greedy cover uses gives exactly the max of the
     ops each unit covers, runs that wrap past the last op and empty runs included."""

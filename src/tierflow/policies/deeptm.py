@@ -50,9 +50,13 @@ Options:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +73,31 @@ if TYPE_CHECKING:
     from scipy import sparse
 
 N_FEATURES = 4  # size, frequency, gap length, recency
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced() -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 to the null device meanwhile.
+
+    The HiGHS that scipy bundles prints a debugging line
+    (``HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();``) to
+    the process's stdout on some MIPs, whatever its output options say (an upstream
+    bug, ERGO-Code/HiGHS#2783), which would land in the middle of a user's table or
+    JSON. Python's own ``sys.stdout`` is flushed first, so nothing of ours is lost. If
+    the descriptor cannot be redirected (no fd 1), the block runs as it is."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @dataclass(frozen=True)
@@ -263,15 +292,16 @@ class _Ilp:
             lo = (lp.x > 1 - 1e-6).astype(float)
             hi = (lp.x > 1e-6).astype(float)
             free_total += int((hi - lo).sum())
-            res = milp(
-                c, constraints=cons, integrality=np.ones(U * K), bounds=Bounds(lo, hi),
-                options={"node_limit": self.node_limit, "mip_rel_gap": 1e-4},
-            )
-            if res.x is None:  # fixing cut off every integer point: solve it whole
+            with _native_stdout_silenced():
                 res = milp(
-                    c, constraints=cons, integrality=np.ones(U * K), bounds=Bounds(0, 1),
-                    options={"node_limit": self.node_limit, "mip_rel_gap": 1e-2},
+                    c, constraints=cons, integrality=np.ones(U * K), bounds=Bounds(lo, hi),
+                    options={"node_limit": self.node_limit, "mip_rel_gap": 1e-4},
                 )
+                if res.x is None:  # fixing cut off every integer point: solve it whole
+                    res = milp(
+                        c, constraints=cons, integrality=np.ones(U * K), bounds=Bounds(0, 1),
+                        options={"node_limit": self.node_limit, "mip_rel_gap": 1e-2},
+                    )
             if res.x is None:
                 return self._greedy(cost), "greedy (the ILP found no solution within its node limit)"
             x = np.round(res.x).reshape(K, U).T
