@@ -268,6 +268,26 @@ def _wasted_repairs(trace: Trace, res, moves: list[Move], factor: float,
     return moves, changed
 
 
+def _fastest_tier(hw: Hardware) -> str | None:
+    """The offload tier with the fastest route back to the device (ties to the first),
+    or None if there is only one: a tier to move stays into."""
+    tiers = list(hw.offload_tiers)
+    if len(tiers) < 2:
+        return None
+    return max(tiers, key=lambda t: (hw.route_bandwidth(t, hw.device), -tiers.index(t)))
+
+
+def _stays(res, dev: str):
+    """Each stay of a tensor off the device in the simulation: (tensor, eviction record,
+    record of the fetch that ended it), in the order the fetches were issued."""
+    last_evict: dict[int, object] = {}
+    for r in res.transfers:
+        if r.kind == "evict":
+            last_evict[int(r.tensor)] = r
+        elif r.dst == dev and int(r.tensor) in last_evict:
+            yield int(r.tensor), last_evict.pop(int(r.tensor)), r
+
+
 def _tier_repairs(trace: Trace, hw: Hardware, res, stalled: np.ndarray,
                   moves: list[Move]) -> tuple[list[Move], bool]:
     """Swap tiers for a **slow-tier arrival**: a tensor ``t`` that arrived from a slower
@@ -278,20 +298,14 @@ def _tier_repairs(trace: Trace, hw: Hardware, res, stalled: np.ndarray,
     holds no more than before. Prefetches that name their tier follow. Returns
     (moves, whether any changed)."""
     dev = hw.device
-    tiers = list(hw.offload_tiers)
-    if len(tiers) < 2:
+    fastest = _fastest_tier(hw)
+    if fastest is None:
         return moves, False
-    fastest = max(tiers, key=lambda t: (hw.route_bandwidth(t, dev), -tiers.index(t)))
     starts, ends, stall = res.op_start_s, res.op_end_s, res.op_stall_s
-    # each stay in a tier: (tensor, tier, eviction record, fetch record)
+    # each tensor's stays off the device: (eviction record, fetch record)
     stays: dict[int, list[tuple]] = {}
-    last_evict: dict[int, object] = {}
-    for r in res.transfers:
-        if r.kind == "evict":
-            last_evict[int(r.tensor)] = r
-        elif r.dst == dev and int(r.tensor) in last_evict:
-            e = last_evict.pop(int(r.tensor))
-            stays.setdefault(int(r.tensor), []).append((e, r))
+    for t, e, r in _stays(res, dev):
+        stays.setdefault(t, []).append((e, r))
     ev_index = {(m.tensor, m.after_op): i for i, m in enumerate(moves) if m.kind == "evict"}
     used: set[int] = set()
     changed = False
@@ -360,25 +374,18 @@ def _spill_repairs(trace: Trace, hw: Hardware, res, moves: list[Move],
     a spill that the simulated occupancy misjudges costs time, never a failure; the hill
     climb keeps it only if the step gets shorter. Returns (moves, whether any changed)."""
     dev = hw.device
-    tiers = list(hw.offload_tiers)
-    if len(tiers) < 2:
+    fastest = _fastest_tier(hw)
+    if fastest is None:
         return moves, False
-    fastest = max(tiers, key=lambda t: (hw.route_bandwidth(t, dev), -tiers.index(t)))
     cap = hw.tier(fastest).capacity * factor
     times, used = res.memory.get(fastest, (np.zeros(0), np.zeros(0)))
     if not len(times):
         return moves, False
     used = np.array(used, dtype=np.float64)
     ends = res.op_end_s
-    stays = []
-    last_evict: dict[int, object] = {}
-    for r in res.transfers:
-        if r.kind == "evict":
-            last_evict[int(r.tensor)] = r
-        elif r.dst == dev and int(r.tensor) in last_evict:
-            e = last_evict.pop(int(r.tensor))
-            if e.dst == r.src != fastest and r.start_s - r.issue_s > 1e-9:
-                stays.append((r.end_s - e.issue_s, int(r.tensor), e, r))
+    # slow-tier stays whose fetch waited in its queue: (length, tensor, eviction, fetch)
+    stays = [(r.end_s - e.issue_s, t, e, r) for t, e, r in _stays(res, dev)
+             if e.dst == r.src != fastest and r.start_s - r.issue_s > 1e-9]
     if not stays:
         return moves, False
     ev_index = {(m.tensor, m.after_op): i for i, m in enumerate(moves) if m.kind == "evict"}
