@@ -73,3 +73,62 @@ def test_demo_json_covers_capture_plan_and_training(capsys):
     assert out["trace"]["ops"] > 0
     assert out["train"]["parity"] is True
     assert out["train"]["moved_bytes"]["host"] > 0 and out["train"]["moved_bytes"]["ssd"] > 0
+
+
+@pytest.fixture
+def offload_trace_file(tmp_path):
+    """A 3-layer training trace that needs offloading at a budget of 272 MB."""
+    from tierflow.synthetic import training_trace
+
+    trace = training_trace(3, [25, 60, 12, 57, 6, 38, 35, 54, 18, 55, 41, 54, 12, 46], [5] * 11)
+    return str(trace.save(tmp_path / "train.json.gz"))
+
+
+def _plan(trace, out, policy, capsys, *extra):
+    argv = ["plan", trace, "--hardware", "rtx4090-24g", "--budget", "272000000", "--policy", policy,
+            "-o", str(out), "--json", *extra]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_writes_a_plan_that_simulate_replays(offload_trace_file, tmp_path, capsys):
+    out = _plan(offload_trace_file, tmp_path / "singa.json", "singa", capsys)
+    assert out["policy"] == "singa" and out["moves"] > 0 and out["incumbent"] is None
+    assert main(["simulate", offload_trace_file, "--hardware", "rtx4090-24g",
+                 "--plan-file", out["plan_file"], "--json"]) == 0
+    replay = json.loads(capsys.readouterr().out)
+    assert replay["time_s"] == pytest.approx(out["predicted_step_s"], rel=1e-12)
+
+
+def test_plan_keeps_an_incumbent_that_is_faster_here(offload_trace_file, tmp_path, capsys):
+    old = _plan(offload_trace_file, tmp_path / "singa.json", "singa", capsys)
+    new = _plan(offload_trace_file, tmp_path / "lru.json", "lru", capsys, "--incumbent", old["plan_file"])
+    # lru's pager stalls more than singa's planned swaps here, so singa's plan stays
+    assert new["incumbent"]["kept"] and new["policy"] == "singa"
+    assert new["predicted_step_s"] == old["predicted_step_s"] < new["incumbent"]["new_step_s"]
+    from tierflow.plan import Plan
+
+    assert Plan.load(new["plan_file"]).moves == Plan.load(old["plan_file"]).moves
+
+
+def test_plan_replaces_an_incumbent_that_is_slower_here(offload_trace_file, tmp_path, capsys):
+    old = _plan(offload_trace_file, tmp_path / "lru.json", "lru", capsys)
+    new = _plan(offload_trace_file, tmp_path / "singa.json", "singa", capsys, "--incumbent", old["plan_file"])
+    assert not new["incumbent"]["kept"] and new["policy"] == "singa"
+    assert new["predicted_step_s"] < new["incumbent"]["incumbent_step_s"] == old["predicted_step_s"]
+
+
+def test_plan_does_not_compare_an_incumbent_over_the_budget(offload_trace_file, tmp_path, capsys):
+    old = _plan(offload_trace_file, tmp_path / "singa.json", "singa", capsys)
+    argv = ["plan", offload_trace_file, "--hardware", "rtx4090-24g", "--budget", "250000000",
+            "--policy", "lru", "-o", str(tmp_path / "lru.json"), "--incumbent", old["plan_file"]]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "lru plan" in text and "not compared: its budget (259.40 MiB) is above this one" in text
+
+
+def test_plan_to_a_missing_directory_fails_before_planning(offload_trace_file, tmp_path, capsys):
+    argv = ["plan", offload_trace_file, "-o", str(tmp_path / "nope" / "p.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no such directory" in err and err.count("\n") == 1

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from helpers import simple_hw
 from tierflow.errors import PlanError
-from tierflow.policies import make_plan, min_working_set, policy_names
+from tierflow.policies import make_plan, min_working_set, policy_names, replan
 from tierflow.simulate import simulate
 from tierflow.synthetic import UPGRADES, training_trace, upgraded
 
@@ -98,6 +98,36 @@ def test_faster_links_or_more_host_memory_never_slow_a_policy(name, data):
         f"{name}: {label} made the step slower: {before:.6f} s -> {after:.6f} s "
         f"(budget {budget} bytes, trace {trace.n_ops} ops)"
     )
+
+
+@pytest.mark.parametrize("name", policy_names())
+@given(data=st.data())
+def test_replanning_for_an_upgrade_with_the_planned_incumbent_is_never_slower(name, data):
+    """What a user gets after an upgrade with ``replan``: the plan made for the weaker
+    machine, if planned, is kept unless the new one is faster, and a planned plan kept
+    is never slower on the better machine (the simulator's planned path). Reactive
+    plans are left out: the demand pager's choices depend on timing
+    (``test_pager_timing_anomaly_slows_one_g10_plan_on_faster_links``)."""
+    trace = data.draw(training_traces(), label="trace")
+    need, _ = min_working_set(trace)
+    budget = data.draw(st.integers(need, max(need, trace.peak_live_bytes)), label="budget")
+    base = simple_hw(
+        pcie_gbps=data.draw(st.sampled_from([1.0, 4.0, 16.0]), label="pcie GB/s"),
+        host_gib=data.draw(st.sampled_from([0.05, 0.2, 64.0]), label="host GiB"),
+    )
+    label, up = data.draw(upgrades(), label="upgrade")
+    try:
+        old = make_plan(name, trace, base, budget=budget)
+    except PlanError:
+        return
+    if old.reactive:
+        return
+    before = simulate(trace, base, old).time_s
+    better = up(base)
+    new = replan(name, trace, better, old, budget=budget)
+    after = simulate(trace, better, new).time_s
+    assert new.meta["incumbent"]["rejected"] is None
+    assert after <= before * (1 + REL_TOL) + 1e-12, f"{name}: {label}: {before:.6f} s -> {after:.6f} s"
 
 
 # Counterexamples the thorough profile found, kept as fixed regression cases:

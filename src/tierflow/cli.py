@@ -7,6 +7,7 @@ stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
 import sys
@@ -112,6 +113,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay an external plan instead: a tierflow plan JSON or G10's prefetch_guide.config",
     )
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser(
+        "plan", help="plan one policy for a trace and write the plan (JSON)",
+        description="Plan with one policy and write the plan, which 'tierflow simulate --plan-file' "
+        "replays. With --incumbent, the plan in use is kept if it is at least as fast on this "
+        "hardware (a planner's new plan for a better machine can be slower than the old one).",
+    )
+    u.add_trace_args(p)
+    p.add_argument("--hardware", default="g10-a100", help="preset name or TOML file (default: g10-a100)")
+    p.add_argument("--budget", default=None, help="device budget: bytes (20GiB) or share of the peak (30%%)")
+    p.add_argument("--policy", default="tierflow", help="policy name (default: tierflow; see 'tierflow policies')")
+    p.add_argument(
+        "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+        help="a policy option, e.g. --set lookahead=4 (repeatable; see each policy's docs)",
+    )
+    p.add_argument("-o", "--out", required=True, metavar="PLAN.json", help="where to write the plan")
+    p.add_argument(
+        "--incumbent", default=None, metavar="PLAN.json",
+        help="the plan in use for this trace: written instead if it is at least as fast here",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("compare", help="simulate several policies side by side")
     u.add_trace_args(p)
@@ -274,6 +297,53 @@ def _replay(trace: Any, hw: Any, args: argparse.Namespace) -> Any:
         if args.pool != "none":  # no policy to plan again: the same plan at lower budgets
             return simulate_pooled(trace, hw, plan, args.pool, time_limit=args.pool_time, progress=update)
         return simulate(trace, hw, plan, progress=update)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .hardware import load_hardware
+    from .plan import Plan
+    from .policies import make_plan, replan
+    from .simulate import simulate
+
+    hw = load_hardware(args.hardware)
+    trace = u.resolve_trace(args, hardware=hw)
+    _policy_list(args.policy)
+    options = parse_options(args.options)
+    out = Path(args.out)
+    if not out.parent.is_dir():  # fail before planning, not after
+        raise TierflowError(f"--out {out}: no such directory {out.parent}")
+    busy = contextlib.nullcontext() if args.json else u.console(stderr=True).status(f"planning {args.policy}")
+    with busy:
+        if args.incumbent:
+            plan = replan(args.policy, trace, hw, Plan.load(args.incumbent), args.budget, **options)
+            info = plan.meta["incumbent"]
+            step = info["incumbent_step_s"] if info["kept"] else info["new_step_s"]
+        else:
+            plan = make_plan(args.policy, trace, hw, args.budget, **options)
+            info = None
+            r = simulate(trace, hw, plan)
+            step = r.time_s if r.error is None else math.inf
+    plan.save(out)
+    ratio = trace.ideal_s / step if step > 0 and math.isfinite(step) else 0.0
+    if args.json:
+        u.print_json({"plan_file": str(out), "policy": plan.policy, "moves": len(plan.moves),
+                      "budget_bytes": plan.budget_bytes, "predicted_step_s": step, "ratio": ratio,
+                      "incumbent": info})
+        return 0
+    print(f"{plan.policy} plan on {hw.name}: {len(plan.moves)} moves, predicted step {fmt_seconds(step)} "
+          f"({ratio:.3f} of ideal); written to {out}")
+    if info is not None:
+        if info["rejected"]:
+            print(f"incumbent {args.incumbent} not compared: {info['rejected']}")
+        elif info["kept"]:
+            print(f"kept the incumbent {args.incumbent} ({fmt_seconds(info['incumbent_step_s'])} a step; "
+                  f"the new plan: {fmt_seconds(info['new_step_s'])})")
+        else:
+            print(f"the new plan replaces the incumbent ({fmt_seconds(info['incumbent_step_s'])} a step "
+                  f"here; the new plan: {fmt_seconds(info['new_step_s'])})")
+    return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

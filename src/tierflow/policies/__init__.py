@@ -138,6 +138,80 @@ def make_plan(
     return fn(trace, hardware, PolicyOptions(value, seed, extra))
 
 
+def replan(
+    name: str,
+    trace: Trace,
+    hardware: Hardware,
+    incumbent: Plan,
+    budget: str | int | float | None = None,
+    seed: int = 0,
+    **extra: Any,
+) -> Plan:
+    """Plan with policy ``name``, but keep ``incumbent`` where it is at least as fast here.
+
+    A planner chooses from the machine's figures, so after a change of hardware (faster
+    links, more host memory) its new plan can be slower than the one already in use:
+    in 0.3-0.8% of random small cases for ``g10``, ``deeptm`` and ``tierflow``
+    (BENCHMARKS.md, "Robustness, measured"). This plans anew, simulates both plans on
+    ``hardware`` and returns the faster one, the incumbent on a tie (no churn for
+    nothing). A planned incumbent made for a weaker machine was never slower on the
+    better one in 2,000 random cases per policy (``benchmarks/robustness.py
+    --same-plan``), so with it re-planning for an upgrade did not lose there; a reactive
+    one (hints to the demand pager) can be, as the pager's choices depend on timing.
+
+    Args:
+        name, trace, hardware, budget, seed, extra: as for :func:`make_plan`.
+        incumbent: the plan in use, made for this same trace (its tensor and op ids must
+            mean the same tensors and ops). It is compared only if it validates against
+            ``trace`` and ``hardware`` and its budget is within this one; otherwise the new
+            plan is returned and ``meta["incumbent"]["rejected"]`` says why.
+
+    Returns:
+        The faster plan, its ``meta["incumbent"]`` = ``{"kept", "new_step_s",
+        "incumbent_step_s", "rejected"}`` (the incumbent's step is ``None`` if it was
+        rejected).
+
+    Raises:
+        PlanError, PolicyError: as :func:`make_plan` (the incumbent never raises).
+
+    Example:
+        >>> from tierflow import load_hardware
+        >>> from tierflow.synthetic import gpt_trace
+        >>> hw = load_hardware("rtx4090-24g")
+        >>> tr = gpt_trace(hw, layers=2, d_model=256, batch=2, seq=128)
+        >>> budget = (min_working_set(tr)[0] + tr.peak_live_bytes) // 2
+        >>> old = make_plan("deepum", tr, hw, budget=budget)
+        >>> new = replan("g10", tr, hw, old, budget=budget)
+        >>> sorted(new.meta["incumbent"])
+        ['incumbent_step_s', 'kept', 'new_step_s', 'rejected']
+    """
+    import dataclasses
+
+    from ..plan import validate
+    from ..simulate import simulate
+
+    def step(plan: Plan) -> float:
+        r = simulate(trace, hardware, plan)
+        return r.time_s if r.error is None else float("inf")
+
+    new = make_plan(name, trace, hardware, budget, seed, **extra)
+    new_s = step(new)
+    rejected = None
+    if incumbent.budget_bytes > new.budget_bytes:
+        rejected = (f"its budget ({fmt_bytes(incumbent.budget_bytes)}) is above this one "
+                    f"({fmt_bytes(new.budget_bytes)})")
+    else:
+        try:
+            validate(incumbent, trace, hardware)
+        except PlanError as e:
+            rejected = str(e)
+    old_s = None if rejected else step(incumbent)
+    keep = old_s is not None and old_s <= new_s
+    info = {"kept": keep, "new_step_s": new_s, "incumbent_step_s": old_s, "rejected": rejected}
+    chosen = incumbent if keep else new
+    return dataclasses.replace(chosen, meta={**chosen.meta, "incumbent": info})
+
+
 __all__ = [
     "PolicyOptions",
     "describe",
@@ -146,5 +220,6 @@ __all__ = [
     "min_working_set",
     "policy_names",
     "register",
+    "replan",
     "resolve_budget",
 ]
