@@ -15,7 +15,12 @@ This test looks for one counterexample; ``benchmarks/robustness.py`` measures ho
 common they are over uniform random cases (BENCHMARKS.md, section ``robustness``):
 G10's published greedy (``g10``), ``deeptm``'s placement program and ``tierflow``, which
 starts from their plans, still have rare ones that the thorough profile
-(``HYPOTHESIS_PROFILE=thorough``, 1,000 examples) finds.
+(``HYPOTHESIS_PROFILE=thorough``, 1,000 examples) finds. Some are not the planner's: the
+demand pager's choices depend on timing, so even one reactive plan can be slower on
+faster links (``test_pager_timing_anomaly_slows_one_g10_plan_on_faster_links``). What
+holds for every policy is the user's side: re-planning for the upgrade with the planned
+plan in use as the incumbent (``tierflow.policies.replan``) is never slower
+(``test_replanning_for_an_upgrade_with_the_planned_incumbent_is_never_slower``).
 """
 
 from __future__ import annotations
