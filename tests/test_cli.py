@@ -132,3 +132,12 @@ def test_plan_to_a_missing_directory_fails_before_planning(offload_trace_file, t
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "no such directory" in err and err.count("\n") == 1
+
+
+def test_plan_does_not_compare_an_incumbent_made_for_another_trace(offload_trace_file, trace_file, tmp_path, capsys):
+    old = _plan(offload_trace_file, tmp_path / "singa.json", "singa", capsys)
+    argv = ["plan", trace_file, "--hardware", "rtx4090-24g", "--policy", "lru",
+            "-o", str(tmp_path / "lru.json"), "--incumbent", old["plan_file"], "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "lru" and "made for another trace" in out["incumbent"]["rejected"]

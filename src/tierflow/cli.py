@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import math
 import sys
@@ -304,7 +305,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from .hardware import load_hardware
     from .plan import Plan
-    from .policies import make_plan, replan
+    from .policies import make_plan, replan, trace_identity
     from .simulate import simulate
 
     hw = load_hardware(args.hardware)
@@ -325,7 +326,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             info = None
             r = simulate(trace, hw, plan)
             step = r.time_s if r.error is None else math.inf
-    plan.save(out)
+    dataclasses.replace(plan, meta={**plan.meta, "trace": trace_identity(trace)}).save(out)
     ratio = trace.ideal_s / step if step > 0 and math.isfinite(step) else 0.0
     if args.json:
         u.print_json({"plan_file": str(out), "policy": plan.policy, "moves": len(plan.moves),

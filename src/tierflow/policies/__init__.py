@@ -138,6 +138,12 @@ def make_plan(
     return fn(trace, hardware, PolicyOptions(value, seed, extra))
 
 
+def trace_identity(trace: Trace) -> dict[str, Any]:
+    """What a saved plan records of the trace it was made for (``meta["trace"]``):
+    enough to refuse a plan made for another trace, whose ids would mean other tensors."""
+    return {"name": trace.name, "ops": trace.n_ops, "tensors": trace.n_tensors}
+
+
 def replan(
     name: str,
     trace: Trace,
@@ -162,9 +168,11 @@ def replan(
     Args:
         name, trace, hardware, budget, seed, extra: as for :func:`make_plan`.
         incumbent: the plan in use, made for this same trace (its tensor and op ids must
-            mean the same tensors and ops). It is compared only if it validates against
-            ``trace`` and ``hardware`` and its budget is within this one; otherwise the new
-            plan is returned and ``meta["incumbent"]["rejected"]`` says why.
+            mean the same tensors and ops; a plan that records its trace in
+            ``meta["trace"]``, as ``tierflow plan`` writes, is checked against it). It is
+            compared only if it is for this trace, validates against ``trace`` and
+            ``hardware`` and its budget is within this one; otherwise the new plan is
+            returned and ``meta["incumbent"]["rejected"]`` says why.
 
     Returns:
         The faster plan, its ``meta["incumbent"]`` = ``{"kept", "new_step_s",
@@ -197,7 +205,10 @@ def replan(
     new = make_plan(name, trace, hardware, budget, seed, **extra)
     new_s = step(new)
     rejected = None
-    if incumbent.budget_bytes > new.budget_bytes:
+    made_for = incumbent.meta.get("trace")
+    if made_for is not None and made_for != trace_identity(trace):
+        rejected = f"it was made for another trace ({made_for}, this one is {trace_identity(trace)})"
+    elif incumbent.budget_bytes > new.budget_bytes:
         rejected = (f"its budget ({fmt_bytes(incumbent.budget_bytes)}) is above this one "
                     f"({fmt_bytes(new.budget_bytes)})")
     else:
@@ -222,4 +233,5 @@ __all__ = [
     "register",
     "replan",
     "resolve_budget",
+    "trace_identity",
 ]
