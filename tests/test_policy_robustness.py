@@ -84,17 +84,23 @@ def _step(name, trace, hw, budget):
 HOST_MEMORY_ANOMALY = {"lru"}
 
 
-@pytest.mark.parametrize("name", policy_names())
-@given(data=st.data())
-def test_faster_links_or_more_host_memory_never_slow_a_policy(name, data):
+def _draw_base(data, faults: bool = True):
+    """(trace, budget, base machine) of a robustness example."""
     trace = data.draw(training_traces(), label="trace")
     need, _ = min_working_set(trace)
     budget = data.draw(st.integers(need, max(need, trace.peak_live_bytes)), label="budget")
     base = simple_hw(
         pcie_gbps=data.draw(st.sampled_from([1.0, 4.0, 16.0]), label="pcie GB/s"),
         host_gib=data.draw(st.sampled_from([0.05, 0.2, 64.0]), label="host GiB"),
-        fault_us=data.draw(st.sampled_from([0.0, 45.0]), label="fault us"),
+        fault_us=data.draw(st.sampled_from([0.0, 45.0]), label="fault us") if faults else 0.0,
     )
+    return trace, budget, base
+
+
+@pytest.mark.parametrize("name", policy_names())
+@given(data=st.data())
+def test_faster_links_or_more_host_memory_never_slow_a_policy(name, data):
+    trace, budget, base = _draw_base(data)
     kinds = UPGRADES[:-1] if name in HOST_MEMORY_ANOMALY else UPGRADES
     label, up = data.draw(upgrades(kinds), label="upgrade")
     before = _step(name, trace, base, budget)
@@ -113,13 +119,7 @@ def test_replanning_for_an_upgrade_with_the_planned_incumbent_is_never_slower(na
     is never slower on the better machine (the simulator's planned path). Reactive
     plans are left out: the demand pager's choices depend on timing
     (``test_pager_timing_anomaly_slows_one_g10_plan_on_faster_links``)."""
-    trace = data.draw(training_traces(), label="trace")
-    need, _ = min_working_set(trace)
-    budget = data.draw(st.integers(need, max(need, trace.peak_live_bytes)), label="budget")
-    base = simple_hw(
-        pcie_gbps=data.draw(st.sampled_from([1.0, 4.0, 16.0]), label="pcie GB/s"),
-        host_gib=data.draw(st.sampled_from([0.05, 0.2, 64.0]), label="host GiB"),
-    )
+    trace, budget, base = _draw_base(data, faults=False)
     label, up = data.draw(upgrades(), label="upgrade")
     try:
         old = make_plan(name, trace, base, budget=budget)

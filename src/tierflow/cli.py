@@ -32,14 +32,19 @@ DEFAULT_POLICIES = ("ideal", "lru", "deepum")
 POOL_CHOICES = ("none", "greedy", "best")
 
 
-def _add_plan_args(p: argparse.ArgumentParser) -> None:
+def _add_policy_args(p: argparse.ArgumentParser, json_help: str = "print JSON instead of tables") -> None:
+    """What planning with a policy takes: the machine, the budget, policy options, --json."""
     p.add_argument("--hardware", default="g10-a100", help="preset name or TOML file (default: g10-a100)")
     p.add_argument("--budget", default=None, help="device budget: bytes (20GiB) or share of the peak (30%%)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--json", action="store_true", help=json_help)
     p.add_argument(
         "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
         help="a policy option, e.g. --set lookahead=4 (repeatable; see each policy's docs)",
     )
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    _add_policy_args(p)
     p.add_argument(
         "--gpus", type=int, default=1,
         help="data-parallel ranks: simulate one rank of N over the hardware's [interconnect] (default: 1)",
@@ -122,19 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         "hardware (a planner's new plan for a better machine can be slower than the old one).",
     )
     u.add_trace_args(p)
-    p.add_argument("--hardware", default="g10-a100", help="preset name or TOML file (default: g10-a100)")
-    p.add_argument("--budget", default=None, help="device budget: bytes (20GiB) or share of the peak (30%%)")
+    _add_policy_args(p, json_help="print JSON instead of text")
     p.add_argument("--policy", default="tierflow", help="policy name (default: tierflow; see 'tierflow policies')")
-    p.add_argument(
-        "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
-        help="a policy option, e.g. --set lookahead=4 (repeatable; see each policy's docs)",
-    )
     p.add_argument("-o", "--out", required=True, metavar="PLAN.json", help="where to write the plan")
     p.add_argument(
         "--incumbent", default=None, metavar="PLAN.json",
         help="the plan in use for this trace: written instead if it is at least as fast here",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("compare", help="simulate several policies side by side")
@@ -324,8 +323,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         else:
             plan = make_plan(args.policy, trace, hw, args.budget, **options)
             info = None
-            r = simulate(trace, hw, plan)
-            step = r.time_s if r.error is None else math.inf
+            step = simulate(trace, hw, plan).time_s  # inf where the plan cannot run
     dataclasses.replace(plan, meta={**plan.meta, "trace": trace_identity(trace)}).save(out)
     ratio = trace.ideal_s / step if step > 0 and math.isfinite(step) else 0.0
     if args.json:

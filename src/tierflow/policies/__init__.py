@@ -199,8 +199,7 @@ def replan(
     from ..simulate import simulate
 
     def step(plan: Plan) -> float:
-        r = simulate(trace, hardware, plan)
-        return r.time_s if r.error is None else float("inf")
+        return simulate(trace, hardware, plan).time_s  # inf where the plan cannot run
 
     new = make_plan(name, trace, hardware, budget, seed, **extra)
     new_s = step(new)
