@@ -104,6 +104,22 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class HostCompute:
+    """What the host computes, for optimizer updates run there (``HostStep``).
+
+    Attributes:
+        optimizer_bytes_per_s: bytes of parameter + gradient + optimizer state an
+            optimizer update on the host processes per second (an Adam step on a
+            parameter of n fp32 elements processes 16 n bytes: parameter, gradient and
+            two moments).
+        source: where the figure comes from (a measurement, a paper, a datasheet).
+    """
+
+    optimizer_bytes_per_s: float
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class Hardware:
     name: str
     device: str
@@ -114,6 +130,7 @@ class Hardware:
     fault_latency_s: float = 0.0
     description: str = ""
     interconnect: Interconnect | None = None
+    host_compute: HostCompute | None = None
 
     def __post_init__(self) -> None:
         _check(self)

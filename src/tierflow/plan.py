@@ -6,6 +6,16 @@ op that *needs* the tensor (``needed_by``), which may lie in the next iteration 
 persistent tensor whose gap wraps. The simulator turns this into seconds; the runtime
 turns it into events on real streams.
 
+Beside moves, a plan has two more actions (plan format version 2; version 1 files still
+load, with neither):
+
+* :class:`Recompute`: tensors dropped after their last use before an op and re-created
+  just before it by re-running the forward ops that made them (activation
+  checkpointing);
+* :class:`HostStep`: a parameter's optimizer update runs on the host (ZeRO-Offload): its
+  gradient goes to the host as backward produces it, its optimizer state lives there,
+  and the updated parameter comes back before its next use.
+
 Two kinds of plan:
 
 * **planned** (``reactive=False``): the moves are a complete schedule. :func:`validate`
@@ -34,7 +44,8 @@ from .trace import Trace
 
 MOVE_KINDS = ("evict", "prefetch")
 PLAN_FORMAT = "tierflow-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+READABLE_PLAN_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,59 @@ class Move:
     needed_by: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """Re-create dropped tensors by re-running the forward ops that made them.
+
+    Each tensor in ``tensors`` is dropped (freed, no transfer) after its last use before
+    ``before_op`` and re-created by running ``ops`` on the compute stream just before
+    ``before_op``. Every input of a re-run op must then be on the device or an output of
+    an earlier op of the chain (chains of recomputed tensors are allowed); outputs of the
+    chain that are not in ``tensors`` are temporaries, freed when the chain ends.
+
+    Attributes:
+        tensors: non-persistent tensor ids the chain re-creates, each used at or after
+            ``before_op``.
+        ops: trace op indices re-run, in order (forward ops, each ``pure``).
+        before_op: the op the chain runs just before (the first use after the drop).
+        restore_rng: the executor restores the RNG state each op first ran with, as
+            ``torch.utils.checkpoint`` does; required when a re-run op draws random
+            numbers (``Op.rng``).
+    """
+
+    tensors: tuple[int, ...]
+    ops: tuple[int, ...]
+    before_op: int
+    restore_rng: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class HostStep:
+    """A parameter's optimizer update, run on the host instead of the device.
+
+    The gradient goes device -> ``tier`` as soon as the last backward op that writes it
+    ends (and is freed on the device when the copy lands); the optimizer state lives on
+    ``tier`` for good (never on the device); the update runs on the host's compute (see
+    :class:`tierflow.hardware.HostCompute`) once the gradient has arrived; the updated
+    parameter is copied back to the device before its next use.
+
+    Attributes:
+        param: the parameter's tensor id.
+        grad: its gradient's tensor id.
+        state: its optimizer-state tensor ids.
+        ops: the trace's optimizer ops for this parameter, which no longer run on the
+            device (a ``foreach``/fused op shared by several parameters is host-stepped
+            only if all of them are).
+        tier: where gradient, state and the updated parameter live on the host.
+    """
+
+    param: int
+    grad: int
+    state: tuple[int, ...] = ()
+    ops: tuple[int, ...] = ()
+    tier: str = "host"
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a policy produces and the simulator and runtime consume.
@@ -79,6 +143,8 @@ class Plan:
             evicting least recently used tensors in the background after each op, so
             that faults seldom wait for an eviction (as UVM drivers do).
         meta: free-form facts the policy wants to report (planning time, choices).
+        recomputes: tensors dropped and re-created by re-running ops (:class:`Recompute`).
+        host_steps: parameters whose optimizer update runs on the host (:class:`HostStep`).
     """
 
     policy: str
@@ -89,9 +155,13 @@ class Plan:
     refetch_dead: bool = False
     headroom: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    recomputes: tuple[Recompute, ...] = ()
+    host_steps: tuple[HostStep, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moves", tuple(self.moves))
+        object.__setattr__(self, "recomputes", tuple(self.recomputes))
+        object.__setattr__(self, "host_steps", tuple(self.host_steps))
 
     @cached_property
     def by_op(self) -> dict[int, tuple[Move, ...]]:
@@ -120,14 +190,27 @@ class Plan:
                 {k: getattr(m, k) for k in ("kind", "tensor", "after_op", "tier", "needed_by")}
                 for m in self.moves
             ],
+            "recomputes": [
+                {"tensors": list(r.tensors), "ops": list(r.ops), "before_op": r.before_op,
+                 "restore_rng": r.restore_rng}
+                for r in self.recomputes
+            ],
+            "host_steps": [
+                {"param": h.param, "grad": h.grad, "state": list(h.state), "ops": list(h.ops),
+                 "tier": h.tier}
+                for h in self.host_steps
+            ],
         }
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<plan>") -> Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{source}: not a {PLAN_FORMAT} file (field 'format')")
-        if data.get("version") != PLAN_VERSION:
-            raise PlanError(f"{source}: unsupported plan version {data.get('version')!r}")
+        if data.get("version") not in READABLE_PLAN_VERSIONS:
+            raise PlanError(
+                f"{source}: unsupported plan version {data.get('version')!r} "
+                f"(this tierflow reads versions {', '.join(map(str, READABLE_PLAN_VERSIONS))})"
+            )
         moves = []
         for i, rec in enumerate(data.get("moves", [])):
             try:
@@ -142,6 +225,33 @@ class Plan:
                 )
             except (KeyError, TypeError, ValueError) as e:
                 raise PlanError(f"{source}: move {i}: bad or missing field ({e})") from None
+        recomputes = []
+        for i, rec in enumerate(data.get("recomputes") or []):
+            try:
+                recomputes.append(
+                    Recompute(
+                        tensors=tuple(int(t) for t in rec["tensors"]),
+                        ops=tuple(int(o) for o in rec["ops"]),
+                        before_op=int(rec["before_op"]),
+                        restore_rng=bool(rec.get("restore_rng", True)),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as e:
+                raise PlanError(f"{source}: recompute {i}: bad or missing field ({e})") from None
+        host_steps = []
+        for i, rec in enumerate(data.get("host_steps") or []):
+            try:
+                host_steps.append(
+                    HostStep(
+                        param=int(rec["param"]),
+                        grad=int(rec["grad"]),
+                        state=tuple(int(t) for t in rec.get("state", [])),
+                        ops=tuple(int(o) for o in rec.get("ops", [])),
+                        tier=str(rec.get("tier", "host")),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as e:
+                raise PlanError(f"{source}: host step {i}: bad or missing field ({e})") from None
         budget = data.get("budget_bytes")
         return cls(
             policy=str(data.get("policy", "external")),
@@ -152,6 +262,8 @@ class Plan:
             refetch_dead=bool(data.get("refetch_dead", False)),
             headroom=float(data.get("headroom", 0.0)),
             meta=dict(data.get("meta") or {}),
+            recomputes=tuple(recomputes),
+            host_steps=tuple(host_steps),
         )
 
     def save(self, path: str | Path) -> Path:

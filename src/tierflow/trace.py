@@ -9,13 +9,18 @@ the last op that lists it (inclusive); a persistent tensor (weights, optimizer s
 live for the whole run, and its inactive gap after its last use wraps into the next
 iteration's first use.
 
-File format (``tierflow-trace`` version 1), JSON, gzipped when the name ends in ``.gz``::
+File format (``tierflow-trace`` version 2), JSON, gzipped when the name ends in ``.gz``::
 
-    {"format": "tierflow-trace", "version": 1, "name": "...", "meta": {...},
+    {"format": "tierflow-trace", "version": 2, "name": "...", "meta": {...},
      "tensors": [{"id": 0, "bytes": 4096, "kind": "parameter", "persistent": true,
                   "name": "fc.weight", "key": "param:fc.weight"}, ...],
      "ops": [{"name": "aten::mm", "phase": "forward", "duration_s": 1e-4,
-              "inputs": [0, 3], "outputs": [4]}, ...]}
+              "inputs": [0, 3], "outputs": [4],
+              "scope": "blocks.3.mlp", "rng": false, "pure": true}, ...]}
+
+Version 2 added the three op fields recompute needs (``scope``, ``rng``, ``pure``); each
+is optional and written only when it differs from its default. Version 1 files still
+load: their ops have no scope, draw no random numbers and are pure.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ import numpy as np
 from .errors import TraceError
 
 FORMAT_NAME = "tierflow-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input")
@@ -66,13 +72,32 @@ class TensorInfo:
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One operator (kernel) of the iteration, in execution order."""
+    """One operator (kernel) of the iteration, in execution order.
+
+    Attributes:
+        name: the operator (``aten::mm``) or kernel name.
+        phase: one of :data:`PHASES`.
+        duration_s: its time on the compute stream.
+        inputs, outputs: tensor ids it reads and writes (an in-place update lists the
+            tensor in both).
+        scope: the ``nn.Module`` path it ran under (``blocks.3.mlp``; ``""`` for the
+            root module), or ``None`` where the trace does not know (G10 workloads).
+            Recompute policies group ops into blocks by it.
+        rng: it draws random numbers (dropout, ``rand``): re-running it gives the same
+            values only with the RNG state it first ran with restored.
+        pure: re-running it has no effect beyond re-creating its outputs (no in-place
+            update of a tensor that outlives it, no I/O, no collective): safe to
+            recompute.
+    """
 
     name: str
     phase: str
     duration_s: float
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
+    scope: str | None = None
+    rng: bool = False
+    pure: bool = True
 
     @property
     def tensors(self) -> tuple[int, ...]:
@@ -261,16 +286,7 @@ class Trace:
                 }
                 for t in self.tensors
             ],
-            "ops": [
-                {
-                    "name": o.name,
-                    "phase": o.phase,
-                    "duration_s": o.duration_s,
-                    "inputs": list(o.inputs),
-                    "outputs": list(o.outputs),
-                }
-                for o in self.ops
-            ],
+            "ops": [_op_to(o) for o in self.ops],
         }
 
     @classmethod
@@ -283,10 +299,10 @@ class Trace:
             raise TraceError(
                 f"{source}: field 'format' is {data.get('format')!r}, expected {FORMAT_NAME!r}"
             )
-        if data.get("version") != FORMAT_VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise TraceError(
                 f"{source}: unsupported trace version {data.get('version')!r} "
-                f"(this tierflow reads version {FORMAT_VERSION})"
+                f"(this tierflow reads versions {', '.join(map(str, READABLE_VERSIONS))})"
             )
         for key in ("tensors", "ops"):
             if not isinstance(data.get(key), list):
@@ -377,6 +393,25 @@ def _tensor_from(rec: Any, i: int, source: str) -> TensorInfo:
         raise TraceError(f"{source}: tensor {i}: missing field {e}") from None
 
 
+def _op_to(o: Op) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "name": o.name,
+        "phase": o.phase,
+        "duration_s": o.duration_s,
+        "inputs": list(o.inputs),
+        "outputs": list(o.outputs),
+    }
+    # written only where they differ from the defaults: most ops are pure and draw no
+    # random numbers, and a G10 workload has no scopes, so files stay small
+    if o.scope is not None:
+        rec["scope"] = o.scope
+    if o.rng:
+        rec["rng"] = True
+    if not o.pure:
+        rec["pure"] = False
+    return rec
+
+
 def _op_from(rec: Any, i: int, source: str) -> Op:
     if not isinstance(rec, dict):
         raise TraceError(f"{source}: op {i}: expected an object")
@@ -390,9 +425,19 @@ def _op_from(rec: Any, i: int, source: str) -> Op:
             duration_s=float(dur),
             inputs=tuple(_id_list(rec.get("inputs", []), i, "inputs", source)),
             outputs=tuple(_id_list(rec.get("outputs", []), i, "outputs", source)),
+            scope=_optional(rec, "scope", str, None, i, source),
+            rng=_optional(rec, "rng", bool, False, i, source),
+            pure=_optional(rec, "pure", bool, True, i, source),
         )
     except KeyError as e:
         raise TraceError(f"{source}: op {i}: missing field {e}") from None
+
+
+def _optional(rec: dict, name: str, typ: type, default: Any, i: int, source: str) -> Any:
+    v = rec.get(name, default)
+    if v is not default and not isinstance(v, typ):
+        raise TraceError(f"{source}: op {i}: field '{name}' must be a {typ.__name__}, got {v!r}")
+    return v
 
 
 def _field(rec: dict, name: str, typ: type, i: int, what: str, source: str) -> Any:

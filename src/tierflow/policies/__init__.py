@@ -34,8 +34,36 @@ _MODULES: dict[str, tuple[str, str]] = {
     "myelin": ("tierflow.policies.myelin", "Myelin: model states parked in host memory between uses"),
     "deeptm": ("tierflow.policies.deeptm", "DeepTM: page-aggregated, heat-ranked ILP placement, RL-tuned weights"),
     "tierflow": ("tierflow.policies.tierflow", "ours: all tiers and kinds, bandwidth-aware, refined with the simulator"),
+    # the peers users run today, in the same vocabulary (recompute and host steps)
+    "checkpoint": ("tierflow.policies.checkpoint", "torch.utils.checkpoint around every block: recompute it in backward"),
+    "selective": ("tierflow.policies.selective", "selective activation checkpointing: save matmul/attention outputs, recompute the rest"),
+    "save_on_cpu": ("tierflow.policies.save_on_cpu", "torch.autograd.graph.save_on_cpu: saved activations to host, back at unpack"),
+    "offload_activations": ("tierflow.policies.offload_activations", "torchtune OffloadActivations: activations to pinned host on a side stream"),
+    "zero_offload": ("tierflow.policies.zero_offload", "DeepSpeed ZeRO-Offload: gradients and optimizer state on the host, update there"),
+    "zero_offload+checkpoint": ("tierflow.policies.zero_offload", "ZeRO-Offload with activation checkpointing, as its users run it"),
+    "zero_infinity": ("tierflow.policies.zero_infinity", "DeepSpeed ZeRO-Infinity: parameters and optimizer state offloaded, fetched ahead"),
 }
 _REGISTRY: dict[str, PolicyFn] = {}
+_OPTIONS: dict[str, tuple[PolicyOption, ...]] = {}
+
+
+@dataclass(frozen=True)
+class PolicyOption:
+    """One knob a policy takes through ``--set NAME=VALUE`` or ``make_plan(..., NAME=VALUE)``.
+
+    Attributes:
+        name: the key.
+        type: ``int``, ``float``, ``str`` or ``bool``.
+        default: its value when not given.
+        help: one line saying what it changes.
+        choices: the allowed values, where only a few are.
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,12 +84,22 @@ class PolicyOptions:
         return (self.extra or {}).get(key, default)
 
 
-def register(name: str) -> Callable[[PolicyFn], PolicyFn]:
+def register(name: str, options: tuple[PolicyOption, ...] = ()) -> Callable[[PolicyFn], PolicyFn]:
+    """Register ``fn`` as policy ``name`` taking ``options`` (every knob it reads from
+    :class:`PolicyOptions.extra` must be declared here)."""
+
     def deco(fn: PolicyFn) -> PolicyFn:
         _REGISTRY[name] = fn
+        _OPTIONS[name] = tuple(options)
         return fn
 
     return deco
+
+
+def policy_options(name: str) -> tuple[PolicyOption, ...]:
+    """The options policy ``name`` declares (imports its module)."""
+    get_policy(name)
+    return _OPTIONS.get(name, ())
 
 
 def policy_names() -> list[str]:
@@ -223,12 +261,14 @@ def replan(
 
 
 __all__ = [
+    "PolicyOption",
     "PolicyOptions",
     "describe",
     "get_policy",
     "make_plan",
     "min_working_set",
     "policy_names",
+    "policy_options",
     "register",
     "replan",
     "resolve_budget",
