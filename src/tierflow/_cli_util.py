@@ -43,13 +43,15 @@ def _finite(obj: Any) -> Any:
 
 @contextmanager
 def progress(description: str, total: int, enabled: bool = True) -> Iterator[Any]:
-    """A transient progress bar on stderr (only on a terminal), yielding an
-    ``update(done)`` callable; work slower than a second should report through it."""
+    """A transient progress bar on stderr (only on a terminal: never in a pipe, a file or
+    CI, and never with ``--json``, whose callers pass ``enabled=False``), yielding an
+    ``update(done, total=total, description=None)`` callable; work slower than a second
+    should report through it."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     err = console(stderr=True)
     if not enabled or not err.is_terminal:
-        yield lambda done, total=total: None
+        yield lambda done, total=total, description=None: None
         return
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
@@ -57,8 +59,11 @@ def progress(description: str, total: int, enabled: bool = True) -> Iterator[Any
     ) as bar:
         task = bar.add_task(description, total=total)
 
-        def update(done: int, total: int = total) -> None:
-            bar.update(task, completed=done, total=total)
+        def update(done: float, total: int = total, description: str | None = None) -> None:
+            if description is None:
+                bar.update(task, completed=done, total=total)
+            else:
+                bar.update(task, completed=done, total=total, description=description)
 
         yield update
 

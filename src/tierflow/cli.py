@@ -7,7 +7,6 @@ stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib
 import math
@@ -39,7 +38,8 @@ def _add_policy_args(p: argparse.ArgumentParser, json_help: str = "print JSON in
     p.add_argument("--json", action="store_true", help=json_help)
     p.add_argument(
         "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
-        help="a policy option, e.g. --set lookahead=4 (repeatable; see each policy's docs)",
+        help="a policy option, e.g. --set lookahead=4, or POLICY.KEY=VALUE for one policy of several "
+        "(repeatable; 'tierflow policies' lists each policy's options)",
     )
 
 
@@ -73,33 +73,6 @@ def _positive_seconds(text: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
     return value
-
-
-def parse_options(items: list[str]) -> dict[str, Any]:
-    """``["lookahead=4", "liveness=false"]`` -> ``{"lookahead": 4, "liveness": False}``."""
-    from .errors import PolicyError
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise PolicyError(f"--set {item!r}: expected KEY=VALUE")
-        low = text.strip().lower()
-        value: Any
-        if low in ("true", "yes", "on"):
-            value = True
-        elif low in ("false", "no", "off"):
-            value = False
-        else:
-            try:
-                value = int(text)
-            except ValueError:
-                try:
-                    value = float(text)
-                except ValueError:
-                    value = text
-        out[key.strip()] = value
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=None, help="comma-separated policy names (default: all)")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("policies", help="list the planning policies")
+    p = sub.add_parser("policies", help="list the planning policies and their options (--set KEY=VALUE)")
+    p.add_argument("--json", action="store_true", help="print every policy with its options as JSON")
     p.set_defaults(func=cmd_policies)
 
     p = sub.add_parser("hardware", help="list or show hardware presets")
@@ -198,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_policies(
-    trace: Any, hw: Any, names: list[str], budget: Any, show_progress: bool, options: dict | None = None,
+    trace: Any, hw: Any, names: list[str], budget: Any, show_progress: bool,
+    options: dict[str, dict[str, Any]] | None = None,
     gpus: int = 1, strategy: str = "ddp", pool: str = "none", pool_time: float = 2.0,
 ) -> list[Any]:
+    """Plan and simulate each policy of ``names``; ``options`` maps a policy to its
+    checked options (:func:`tierflow.policies.options_from_settings`)."""
     from .errors import PlanError
     from .policies import make_plan, resolve_budget
     from .simulate import SimResult, simulate
@@ -220,18 +197,25 @@ def _run_policies(
 
     resolve_budget(trace, hw, budget)  # a budget nothing can meet stops here, once
     results = []
-    total = len(names) * 2 * trace.n_ops
-    with u.progress(f"simulating {trace.name}", total, enabled=show_progress) as update:
+    options = options or {}
+    per = 3 * trace.n_ops  # progress units of one policy: planning 1/3, simulating 2/3
+    with u.progress(f"planning {names[0]}", len(names) * per, enabled=show_progress) as update:
         for k, name in enumerate(names):
+            update(k * per, description=f"planning {name}")
+
+            def planning(done: float, what: str, b: int = k * per, n: str = name) -> None:
+                update(b + done * trace.n_ops, description=f"planning {n}: {what}" if what else f"planning {n}")
+
             try:
-                plan = make_plan(name, trace, hw, budget=budget, **(options or {}))
+                plan = make_plan(name, trace, hw, budget=budget, progress=planning, **options.get(name, {}))
             except PlanError as e:
                 if len(names) == 1:
                     raise
                 # one policy that cannot fit is a row of the comparison, not its end
                 results.append(SimResult.unplanned(name, trace, hw, str(e)))
                 continue
-            base = k * 2 * trace.n_ops
+            base = k * per + trace.n_ops
+            update(base, description=f"simulating {name}")
             tick = lambda d, _t, b=base: update(b + d)  # noqa: E731
             if pool == "none":
                 results.append(simulate(trace, hw, plan, progress=tick))
@@ -241,7 +225,7 @@ def _run_policies(
             # a fragmented arena leaves the plan less room: the policy plans for the lower
             # budget, as it would if it knew the allocator (ideal ignores budgets)
             replan = None if name == "ideal" else (
-                lambda b, n=name: make_plan(n, trace, hw, budget=b, **(options or {}))
+                lambda b, n=name: make_plan(n, trace, hw, budget=b, **options.get(n, {}))
             )
             results.append(simulate_pooled(trace, hw, plan, pool, time_limit=pool_time, replan=replan, progress=tick))
     return results
@@ -256,19 +240,28 @@ def _policy_list(text: str | None) -> list[str]:
     return names
 
 
+def _checked_options(names: list[str], settings: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set`` items checked against the policies' declared options (before any work)."""
+    from .policies import options_from_settings
+
+    return options_from_settings(names, settings)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .hardware import load_hardware
 
-    hw = load_hardware(args.hardware)
-    trace = u.resolve_trace(args, hardware=hw)
     if args.plan_file and args.gpus > 1:
         raise SystemExit("tierflow: --plan-file replays a one-GPU plan; it cannot be combined with --gpus")
+    if args.plan_file and args.options:
+        raise SystemExit("tierflow: --set sets a policy's options; --plan-file replays a plan made already")
+    options = {} if args.plan_file else _checked_options(_policy_list(args.policy), args.options)
+    hw = load_hardware(args.hardware)
+    trace = u.resolve_trace(args, hardware=hw)
     if args.plan_file:
         res = _replay(trace, hw, args)
     else:
-        _policy_list(args.policy)
         (res,) = _run_policies(
-            trace, hw, [args.policy], args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy,
+            trace, hw, [args.policy], args.budget, not args.json, options, args.gpus, args.strategy,
             args.pool, args.pool_time,
         )
     if args.json:
@@ -307,21 +300,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .policies import make_plan, replan, trace_identity
     from .simulate import simulate
 
-    hw = load_hardware(args.hardware)
-    trace = u.resolve_trace(args, hardware=hw)
-    _policy_list(args.policy)
-    options = parse_options(args.options)
+    options = _checked_options(_policy_list(args.policy), args.options)[args.policy]
     out = Path(args.out)
     if not out.parent.is_dir():  # fail before planning, not after
         raise TierflowError(f"--out {out}: no such directory {out.parent}")
-    busy = contextlib.nullcontext() if args.json else u.console(stderr=True).status(f"planning {args.policy}")
-    with busy:
+    hw = load_hardware(args.hardware)
+    trace = u.resolve_trace(args, hardware=hw)
+    with u.progress(f"planning {args.policy}", 100, enabled=not args.json) as update:
+
+        def planning(done: float, what: str) -> None:
+            update(100 * done, description=f"planning {args.policy}: {what}" if what else None)
+
         if args.incumbent:
-            plan = replan(args.policy, trace, hw, Plan.load(args.incumbent), args.budget, **options)
+            plan = replan(args.policy, trace, hw, Plan.load(args.incumbent), args.budget, progress=planning,
+                          **options)
             info = plan.meta["incumbent"]
             step = info["incumbent_step_s"] if info["kept"] else info["new_step_s"]
         else:
-            plan = make_plan(args.policy, trace, hw, args.budget, **options)
+            plan = make_plan(args.policy, trace, hw, args.budget, progress=planning, **options)
             info = None
             step = simulate(trace, hw, plan).time_s  # inf where the plan cannot run
     dataclasses.replace(plan, meta={**plan.meta, "trace": trace_identity(trace)}).save(out)
@@ -348,11 +344,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from .hardware import load_hardware
 
+    names = _policy_list(args.policies)
+    options = _checked_options(names, args.options)
     hw = load_hardware(args.hardware)
     trace = u.resolve_trace(args, hardware=hw)
-    names = _policy_list(args.policies)
     results = _run_policies(
-        trace, hw, names, args.budget, not args.json, parse_options(args.options), args.gpus, args.strategy,
+        trace, hw, names, args.budget, not args.json, options, args.gpus, args.strategy,
         args.pool, args.pool_time,
     )
     if args.json:
@@ -365,13 +362,30 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_policies(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .policies import describe, policy_names
+    from .policies import describe, policy_names, policy_options
 
-    table = Table(title="policies")
+    names = policy_names()
+    if args.json:
+        u.print_json([
+            {"name": n, "description": describe(n), "options": [
+                {"name": o.name, "type": o.type.__name__, "default": o.default, "help": o.help,
+                 "choices": list(o.choices) if o.choices is not None else None}
+                for o in policy_options(n)
+            ]}
+            for n in names
+        ])
+        return 0
+    table = Table(title="policies", caption="options: --set KEY=VALUE (POLICY.KEY=VALUE for one of several)")
     table.add_column("name")
     table.add_column("what it does")
-    for n in policy_names():
-        table.add_row(n, describe(n))
+    table.add_column("options (type, default)")
+    for n in names:
+        opts = "\n".join(
+            f"{o.name} ({o.type.__name__}{' ' + '|'.join(map(str, o.choices)) if o.choices else ''}, "
+            f"{'auto' if o.default is None else o.default}): {o.help}"
+            for o in policy_options(n)
+        )
+        table.add_row(n, describe(n), opts or "-")
     u.console().print(table)
     return 0
 

@@ -74,14 +74,23 @@ class PolicyOptions:
         budget_bytes: device bytes the plan may use.
         seed: for policies with randomness (plans are a pure function of the inputs).
         extra: policy-specific knobs (e.g. ``lookahead`` for deepum).
+        progress: where a slow policy reports how far it is, as ``progress(done,
+            what)`` with ``done`` in [0, 1]; None: nobody listens. Library code never
+            prints; the CLI passes a progress bar here.
     """
 
     budget_bytes: float
     seed: int = 0
     extra: dict[str, Any] | None = None
+    progress: Callable[[float, str], None] | None = None
 
     def get(self, key: str, default: Any) -> Any:
         return (self.extra or {}).get(key, default)
+
+    def report(self, done: float, what: str = "") -> None:
+        """Tell the listener (if any) that ``done`` (0-1) of the planning is over."""
+        if self.progress is not None:
+            self.progress(min(max(float(done), 0.0), 1.0), what)
 
 
 def register(name: str, options: tuple[PolicyOption, ...] = ()) -> Callable[[PolicyFn], PolicyFn]:
@@ -100,6 +109,60 @@ def policy_options(name: str) -> tuple[PolicyOption, ...]:
     """The options policy ``name`` declares (imports its module)."""
     get_policy(name)
     return _OPTIONS.get(name, ())
+
+
+def check_options(name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` checked against the options policy ``name`` declares, each coerced to
+    its declared type (text, as ``--set`` gives it, is parsed).
+
+    Raises:
+        PolicyError: an unknown policy, a key it does not declare (the message lists
+            its options), or a value of the wrong type or outside the choices.
+
+    Example:
+        >>> check_options("deepum", {"lookahead": "4"})
+        {'lookahead': 4}
+    """
+    from ._options import check
+
+    return check(name, policy_options(name), values)
+
+
+def options_from_settings(names: list[str], settings: list[str]) -> dict[str, dict[str, Any]]:
+    """The options each policy of ``names`` gets from ``--set`` items, checked.
+
+    ``KEY=VALUE`` goes to every policy in ``names`` that declares ``KEY`` (at least one
+    must); ``POLICY.KEY=VALUE`` to that policy only (which must be in ``names`` and
+    declare ``KEY``).
+
+    Raises:
+        PolicyError: a malformed item, a key no named policy declares, or a bad value;
+            the message names the policies' options.
+
+    Example:
+        >>> options_from_settings(["lru", "deepum"], ["lookahead=4", "lru.headroom=0.1"])
+        {'lru': {'headroom': 0.1}, 'deepum': {'lookahead': 4}}
+    """
+    from ._options import describe_options, split_settings
+
+    out: dict[str, dict[str, Any]] = {n: {} for n in names}
+    for policy, key, text in split_settings(settings):
+        if policy is not None:
+            if policy not in names:
+                raise PolicyError(f"--set {policy}.{key}: {policy!r} is not among the policies run here "
+                                  f"({', '.join(names)})")
+            targets = [policy]
+        else:
+            targets = [n for n in names if any(o.name == key for o in policy_options(n))]
+            if not targets:
+                if len(names) == 1:
+                    targets = names  # check_options says what the policy takes
+                else:
+                    said = "; ".join(describe_options(n, policy_options(n)) for n in names)
+                    raise PolicyError(f"no policy here has option {key!r}: {said}")
+        for n in targets:
+            out[n].update(check_options(n, {key: text}))
+    return out
 
 
 def policy_names() -> list[str]:
@@ -168,12 +231,29 @@ def make_plan(
     hardware: Hardware,
     budget: str | int | float | None = None,
     seed: int = 0,
+    progress: Callable[[float, str], None] | None = None,
     **extra: Any,
 ) -> Plan:
-    """Run policy ``name``. See :func:`resolve_budget` for ``budget``."""
+    """Run policy ``name``.
+
+    Args:
+        name: a policy (see :func:`policy_names`).
+        trace, hardware: what to plan for.
+        budget: see :func:`resolve_budget`.
+        seed: for policies with randomness.
+        progress: called as ``progress(done, what)`` (``done`` in [0, 1]) by policies
+            that take seconds (``tierflow``, ``deeptm``); others never call it.
+        extra: the policy's options (:func:`policy_options`), checked by
+            :func:`check_options` before any planning.
+
+    Raises:
+        PolicyError: an unknown policy, or an option it does not declare or a bad value.
+        PlanError: no plan fits the budget.
+    """
     fn = get_policy(name)
+    extra = check_options(name, extra)
     value = resolve_budget(trace, hardware, budget) if name != "ideal" else hardware.device_capacity
-    return fn(trace, hardware, PolicyOptions(value, seed, extra))
+    return fn(trace, hardware, PolicyOptions(value, seed, extra, progress))
 
 
 def trace_identity(trace: Trace) -> dict[str, Any]:
@@ -189,6 +269,7 @@ def replan(
     incumbent: Plan,
     budget: str | int | float | None = None,
     seed: int = 0,
+    progress: Callable[[float, str], None] | None = None,
     **extra: Any,
 ) -> Plan:
     """Plan with policy ``name``, but keep ``incumbent`` where it is at least as fast here.
@@ -204,7 +285,7 @@ def replan(
     one (hints to the demand pager) can be, as the pager's choices depend on timing.
 
     Args:
-        name, trace, hardware, budget, seed, extra: as for :func:`make_plan`.
+        name, trace, hardware, budget, seed, progress, extra: as for :func:`make_plan`.
         incumbent: the plan in use, made for this same trace (its tensor and op ids must
             mean the same tensors and ops; a plan that records its trace in
             ``meta["trace"]``, as ``tierflow plan`` writes, is checked against it). It is
@@ -239,7 +320,7 @@ def replan(
     def step(plan: Plan) -> float:
         return simulate(trace, hardware, plan).time_s  # inf where the plan cannot run
 
-    new = make_plan(name, trace, hardware, budget, seed, **extra)
+    new = make_plan(name, trace, hardware, budget, seed, progress, **extra)
     new_s = step(new)
     rejected = None
     made_for = incumbent.meta.get("trace")
@@ -263,10 +344,12 @@ def replan(
 __all__ = [
     "PolicyOption",
     "PolicyOptions",
+    "check_options",
     "describe",
     "get_policy",
     "make_plan",
     "min_working_set",
+    "options_from_settings",
     "policy_names",
     "policy_options",
     "register",

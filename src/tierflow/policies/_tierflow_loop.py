@@ -40,6 +40,7 @@ function of its inputs: a fixed number of simulations, no wall clock, ties broke
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -525,10 +526,10 @@ _STEPS = ((frozenset({"tier"}), 1.0), (frozenset({"spill"}), 1.0), (frozenset({"
 
 
 def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: int,
-            steps: tuple[tuple[frozenset[str], float], ...] = _STEPS):
+            steps: tuple[tuple[frozenset[str], float], ...] = _STEPS, tick: Callable[[], None] | None = None):
     """Hill-climb ``plan`` with :func:`repair` for at most ``rounds`` simulations, cycling
-    through ``steps`` until none of them gains. Returns (score, plan, result,
-    simulations used)."""
+    through ``steps`` until none of them gains. ``tick()`` is called after each
+    simulation (progress). Returns (score, plan, result, simulations used)."""
     used = 0
     si = 0
     misses = 0
@@ -538,6 +539,8 @@ def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: i
         if new is not None:
             s2, r2 = simulate_score(trace, hw, new)
             used += 1
+            if tick is not None:
+                tick()
             if gains(s2, score):
                 score, plan, res, misses = s2, new, r2, 0
                 continue  # the same step again, on the new simulation
@@ -548,7 +551,7 @@ def improve(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: i
 
 def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, rounds: int,
                      groups: tuple[tuple[str, ...], ...] = (("wasted", "rehint", "late", "queued", "tier", "reorder"), ("room", "fault")),
-                     factor: float = 1.0):
+                     factor: float = 1.0, tick: Callable[[], None] | None = None):
     """Hill-climb ``plan`` one stall at a time: the op that stalled longest (in the
     current simulation) not tried yet gets each kind of repair alone, restricted to its
     own stall (a round that repairs every stall at once moves hundreds of transfers and
@@ -560,8 +563,9 @@ def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, 
     simulations, and at most ``4 * rounds`` repairs tried (a repair that changes
     nothing or that the validator rejects costs no simulation, but it is not free: on
     a planned 9,600-op plan, hundreds of them were rejected at 0.1 s each). Kinds
-    that apply only to reactive plans are not tried on a planned one. Returns (score,
-    plan, result, simulations used)."""
+    that apply only to reactive plans are not tried on a planned one. ``tick()`` is
+    called after each simulation (progress). Returns (score, plan, result, simulations
+    used)."""
     used = attempts = 0
     tried: set[tuple[int, str]] = set()
     if not plan.reactive:
@@ -584,6 +588,8 @@ def improve_targeted(trace: Trace, hw: Hardware, plan: Plan, score: float, res, 
             break
         s2, r2 = simulate_score(trace, hw, step)
         used += 1
+        if tick is not None:
+            tick()
         if gains(s2, score):
             score, plan, res = s2, step, r2
     return score, plan, res, used

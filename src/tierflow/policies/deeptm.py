@@ -66,13 +66,21 @@ from ..errors import PlanError
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Gap, Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._common import Planner, gap_end, gap_ops, issue_order, no_fit
 
 if TYPE_CHECKING:
     from scipy import sparse
 
 N_FEATURES = 4  # size, frequency, gap length, recency
+
+OPTIONS = (
+    PolicyOption("page_bytes", int, 2 * 2**20, "aggregation page for small tensors (accepts 4MiB)"),
+    PolicyOption("tiers", str, None, "comma-separated slow tiers (default: every offload tier)"),
+    PolicyOption("episodes", int, 4, "RL episodes, each one ILP and one simulation (1 = no learning)"),
+    PolicyOption("time_budget_s", float, 4.0, "start no episode that would end after this many seconds"),
+    PolicyOption("node_limit", int, 500, "branch-and-bound nodes per ILP solve"),
+)
 
 
 @contextlib.contextmanager
@@ -524,7 +532,7 @@ def _plan_from(trace: Trace, hw: Hardware, budget: float, units: list[Unit], tie
     return dataclasses.replace(plan, moves=issue_order(plan.moves, trace))
 
 
-@register("deeptm")
+@register("deeptm", OPTIONS)
 def deeptm(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """DeepTM's plan (see the module docstring).
 
@@ -574,6 +582,7 @@ def deeptm(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         if ep and spent + spent / ep > time_budget:  # the next episode would overrun
             cut = True
             break
+        options.report(ep / episodes, f"episode {ep + 1} of {episodes}")
         eps = rng.normal(0.0, sigma, N_FEATURES) if ep else np.zeros(N_FEATURES)
         w = np.exp(theta + eps)
         w /= w.sum()
@@ -599,6 +608,7 @@ def deeptm(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     if best is None:
         assert last_err is not None
         raise last_err
+    options.report(1.0, "done")
     reward, ep, plan = best
     plan.meta.update({"episodes": len(history), "rewards": history, "best_episode": ep, "rl_cut": cut})
     return plan

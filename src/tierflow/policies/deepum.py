@@ -17,10 +17,16 @@ from __future__ import annotations
 from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
+
+OPTIONS = (
+    PolicyOption("lookahead", int, 8, "how many ops ahead the prefetcher asks for tensors"),
+    PolicyOption("liveness", bool, True, "free tensors after their last use"),
+    PolicyOption("headroom", float, 0.05, "share of the budget the pager keeps free"),
+)
 
 
-@register("deepum")
+@register("deepum", OPTIONS)
 def deepum(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     k = int(options.get("lookahead", 8))
     n = trace.n_ops

@@ -30,10 +30,12 @@ from __future__ import annotations
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._common import Planner, phase_start, pick_tier
 
 CANDIDATE_KINDS = ("activation", "input")
+
+OPTIONS = (PolicyOption("tier", str, None, "destination tier (default: the SSD tier)"),)
 
 
 def _tier(hardware: Hardware, options: PolicyOptions) -> str:
@@ -66,7 +68,7 @@ def forward_to_backward_gaps(trace: Trace) -> list:
     return out
 
 
-@register("flashneuron")
+@register("flashneuron", OPTIONS)
 def flashneuron(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """FlashNeuron's plan: forward activations to the SSD, back in backward.
 

@@ -83,8 +83,21 @@ import numpy as np
 from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Gap, Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._common import issue_order
+
+OPTIONS = (
+    PolicyOption("line_share", float, 0.99, "the target line as a share of the budget"),
+    PolicyOption("delta", float, 0.5, "G10's safety margin on a move's time"),
+    PolicyOption("bw_scale", float, None, "factor on every bandwidth assumed (default: 1.0737 with "
+                 "g10_accounting, else 1)"),
+    PolicyOption("strict_line", bool, None, "a prefetch moves earlier only if the slot stays under the line "
+                 "with it (default: off with g10_accounting, else on)"),
+    PolicyOption("g10_accounting", bool, True, "plan with G10's own bookkeeping, as published"),
+    PolicyOption("headroom", float, 0.0, "share of the budget the pager keeps free"),
+    PolicyOption("move_earlier", bool, True, "step 6: move prefetches earlier while under the line"),
+    PolicyOption("second_pass", bool, False, "go on through gaps still over the line after the greedy pass"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,7 +514,7 @@ class _Planner:
         self.moves.append(Move("prefetch", o.gap.tensor, (slot - 1) % self.n, o.tier, o.gap.before_op))
 
 
-@register("g10")
+@register("g10", OPTIONS)
 def g10(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """G10's plan for ``trace`` within ``options.budget_bytes`` (see the module docstring
     for the algorithm and its options).

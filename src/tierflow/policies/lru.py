@@ -19,10 +19,16 @@ from __future__ import annotations
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
+
+OPTIONS = (
+    PolicyOption("liveness", bool, False, "free tensors after their last use (G10's Base UVM does not)"),
+    PolicyOption("refetch_dead", bool, False, "fetch a dead tensor's old contents at its next birth"),
+    PolicyOption("headroom", float, 0.05, "share of the budget the pager keeps free"),
+)
 
 
-@register("lru")
+@register("lru", OPTIONS)
 def lru(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     return Plan(
         policy="lru",

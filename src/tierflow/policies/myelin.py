@@ -37,10 +37,17 @@ from ..errors import PolicyError
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Gap, Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._common import Planner, gap_end, gap_ops, pick_tier
 
 STATE_KINDS = ("parameter", "optimizer_state", "gradient")
+
+OPTIONS = (
+    PolicyOption("park", str, "needed", "park only what the budget needs, or every model state", ("needed", "all")),
+    PolicyOption("lookahead", int, 8, "with park=all: ops between a prefetch and its use"),
+    PolicyOption("min_gap_ops", int, 2, "with park=all: shortest gap parked, in ops"),
+    PolicyOption("tier", str, None, "destination tier (default: host)"),
+)
 
 
 def model_state_gaps(trace: Trace) -> list[Gap]:
@@ -55,7 +62,7 @@ def model_state_gaps(trace: Trace) -> list[Gap]:
     return out
 
 
-@register("myelin")
+@register("myelin", OPTIONS)
 def myelin(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """Myelin's plan: model states parked in host memory between uses.
 

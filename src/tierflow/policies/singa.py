@@ -37,10 +37,16 @@ from ..errors import PolicyError
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._common import Planner, gap_end, pick_tier
 
 MODES = ("stick-to-limit", "no-overhead")
+
+OPTIONS = (
+    PolicyOption("mode", str, "stick-to-limit", "when swaps are scheduled", MODES),
+    PolicyOption("min_bytes", int, 2**20, "smallest block considered for a swap"),
+    PolicyOption("tier", str, None, "destination tier (default: host)"),
+)
 
 
 def _ranks(score: np.ndarray) -> np.ndarray:
@@ -51,7 +57,7 @@ def _ranks(score: np.ndarray) -> np.ndarray:
     return r
 
 
-@register("singa")
+@register("singa", OPTIONS)
 def singa(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """SINGA's swap plan (see the module docstring).
 

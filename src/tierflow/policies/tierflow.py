@@ -86,7 +86,7 @@ from ..errors import PlanError
 from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._tierflow_loop import gains, improve, improve_targeted, score_key, simulate_score
 
 
@@ -451,6 +451,14 @@ _G10_SEEDS = (
 # (a simulation costs 0.05-0.15 s on the former, 0.1-0.3 s on the latter here).
 _WORK_OPS = 70_000
 
+OPTIONS = (
+    PolicyOption("min_bytes", int, 2**20, "gaps smaller than this are not moved by the own pass"),
+    PolicyOption("ssd_slack", float, 4.0, "a gap this many times a slow tier's round trip goes there first"),
+    PolicyOption("repair_rounds", int, 48, "at most this many repair simulations"),
+    PolicyOption("work_ops", int, _WORK_OPS, "the loop's work budget in simulated trace ops"),
+    PolicyOption("portfolio", bool, True, "seed from the other planners too (false: own pass and repairs only)"),
+)
+
 # g10's variants are tried only while each g10 seed so far is within this factor of the
 # best seed: they are perturbations of one planner. Where g10 leads (ResNet, SENet) its
 # best settings are within 2% of each other; where the first is more than 5% behind
@@ -507,7 +515,7 @@ def _seeds(trace: Trace, hw: Hardware, options: PolicyOptions, opts: dict, budge
             return
 
 
-@register("tierflow")
+@register("tierflow", OPTIONS)
 def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """Plan with ``tierflow`` (see the module docstring for the method and options).
 
@@ -535,6 +543,16 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     size = Budget.for_trace(trace.n_ops, opts)
     scored = []
     seeds = _seeds(trace, hardware, options, opts, size)
+    # progress: simulations done of at most (own, singa, g10 settings, deeptm) + repairs
+    sims_at_most = 3 + size.g10_variants + size.repair_rounds
+    sims_done = 0
+
+    def tick(what: str = "repairing") -> None:
+        nonlocal sims_done
+        sims_done += 1
+        options.report(sims_done / sims_at_most, f"{what} ({sims_done} simulations)")
+
+    options.report(0.0, "seeding")
     reply = None
     cpu: dict[str, float] = {}  # CPU seconds per seed, planning and its simulation
     while True:
@@ -554,6 +572,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             plan = Plan("tierflow", _build(trace, hardware, budget, Knobs(safe=True), opts), budget_bytes=budget)
             validate(plan, trace, hardware)
         score, res = simulate_score(trace, hardware, plan)
+        tick(f"seed {name.split('{')[0]}")
         scored.append((score, len(scored), name, plan, res))
         cpu[name] = time.process_time() - c1
         if score <= ideal:
@@ -577,6 +596,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
                 budget, options.seed, {"episodes": size.deeptm_episodes, "time_budget_s": math.inf}))
             validate(dtm, trace, hardware)
             s_dtm, r_dtm = simulate_score(trace, hardware, dtm)
+            tick("seed deeptm")
             scored.append((s_dtm, len(scored), "deeptm", dtm, r_dtm))
             scored.sort(key=lambda x: (score_key(x[0]), x[1]))
         except (PlanError, PolicyError):
@@ -600,8 +620,8 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
             # all stalls at once first (cheap, large steps), then one stall at a time
             # with what is left (small steps; see improve_targeted)
             first = min(_GLOBAL_ROUNDS, left // 2) if left > 1 else left
-            s1, p1, r1, n_used = improve(trace, hardware, p0, s0, r0, first)
-            s1, p1, r1, more = improve_targeted(trace, hardware, p1, s1, r1, left - n_used)
+            s1, p1, r1, n_used = improve(trace, hardware, p0, s0, r0, first, tick=tick)
+            s1, p1, r1, more = improve_targeted(trace, hardware, p1, s1, r1, left - n_used, tick=tick)
             used += n_used + more
             repaired.append((s1, n0, s0, p1, r1))
             if s1 <= ideal:
@@ -635,6 +655,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         },
     )
     validate(final, trace, hardware)
+    options.report(1.0, "done")
     return final
 
 

@@ -32,11 +32,16 @@ from ..errors import PlanError, PolicyError
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._common import Planner, phase_start, pick_tier
 from .flashneuron import forward_to_backward_gaps
 
 MODES = ("dyn", "all", "conv")
+
+OPTIONS = (
+    PolicyOption("mode", str, "dyn", "vDNN's configuration: dyn (least that fits), all or conv", MODES),
+    PolicyOption("tier", str, None, "destination tier (default: host)"),
+)
 
 
 def _conv_inputs(trace: Trace) -> set[int]:
@@ -64,7 +69,7 @@ def _plan_config(trace: Trace, hardware: Hardware, budget: float, gaps: list, ti
     return p
 
 
-@register("vdnn")
+@register("vdnn", OPTIONS)
 def vdnn(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """vDNN's plan: saved feature maps to host, prefetched one layer ahead.
 

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", default=None, help="comma-separated policy names (default: all)")
     p.add_argument(
         "--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
-        help="a policy option, e.g. --set lookahead=4 (repeatable)",
+        help="a policy option, e.g. --set lookahead=4, or POLICY.KEY=VALUE for one policy (repeatable)",
     )
     p.add_argument("-o", "--output", default="report.html", help="the HTML file to write (default: report.html)")
     p.add_argument("--png", default=None, metavar="DIR", help="also write every figure as a PNG into DIR")
@@ -48,26 +48,28 @@ def handler(args: argparse.Namespace) -> int:
     Raises:
         TierflowError: a bad trace, hardware, policy or budget (the CLI prints one line).
     """
-    from ..cli import parse_options
     from ..hardware import load_hardware
-    from ..policies import get_policy, make_plan, policy_names
+    from ..policies import get_policy, make_plan, options_from_settings, policy_names
     from ..simulate import simulate
     from ..units import fmt_seconds
     from .html import write_report
     from .verdict import verdict
 
-    hw = load_hardware(args.hardware)
-    trace = u.resolve_trace(args, hardware=hw)
     names = [n.strip() for n in args.policies.split(",") if n.strip()] if args.policies else policy_names()
     for n in names:
         get_policy(n)  # an unknown name fails before any work
-    options = parse_options(args.options)
+    options = options_from_settings(names, args.options)  # so does an unknown option
+    hw = load_hardware(args.hardware)
+    trace = u.resolve_trace(args, hardware=hw)
     results = []
-    total = 2 * trace.n_ops * len(names)
-    with u.progress(f"simulating {trace.name}", total) as update:
+    per = 3 * trace.n_ops  # progress units of one policy: planning 1/3, simulating 2/3
+    with u.progress(f"planning {names[0]}", per * len(names)) as update:
         for k, name in enumerate(names):
-            plan = make_plan(name, trace, hw, budget=args.budget, **options)
-            base = 2 * trace.n_ops * k
+            update(k * per, description=f"planning {name}")
+            plan = make_plan(name, trace, hw, budget=args.budget, **options[name], progress=lambda f, what, b=k * per,
+                             n=name: update(b + f * trace.n_ops, description=f"planning {n}: {what}"))
+            base = k * per + trace.n_ops
+            update(base, description=f"simulating {name}")
             results.append(simulate(trace, hw, plan, progress=lambda d, _t, b=base: update(b + d)))
     command = "tierflow " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
     files = write_report(args.output, trace, hw, results, png_dir=args.png, command=command, fmt=args.embed)
