@@ -109,8 +109,9 @@ def test_improve_is_valid_never_worse_and_deterministic(case, steps):
     assert np.array_equal(off, again)
 
 
-# HiGHS runs in a child process: OR-Tools and highspy each bundle a HiGHS build, and
-# whichever loads second in a process fails to import (undefined symbols)
+# HiGHS runs in a child process, where OR-Tools is never loaded: the MILP path as it
+# runs without the "fast" extra (it once had to, when highspy's HiGHS build and
+# OR-Tools' clashed in one process; scipy's HiGHS does not)
 HIGHS_CHILD = """
 import json, sys
 from tierflow.pool import Buffer, Problem

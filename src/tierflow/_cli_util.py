@@ -68,6 +68,18 @@ def progress(description: str, total: int, enabled: bool = True) -> Iterator[Any
         yield update
 
 
+@contextmanager
+def status(text: str, enabled: bool = True) -> Iterator[Any]:
+    """A spinner on stderr (only on a terminal, and not with ``--json``: callers pass
+    ``enabled=False``), yielding ``say(words)`` to change its text."""
+    err = console(stderr=True)
+    if not enabled or not err.is_terminal:
+        yield lambda words: None
+        return
+    with err.status(text) as spinner:
+        yield lambda words: spinner.update(f"{text}: {words}")
+
+
 def add_trace_args(p: argparse.ArgumentParser) -> None:
     """A trace source: a file or G10 case directory, or ``--model NAME --batch B``."""
     p.add_argument("trace", nargs="?", help="trace file (.json/.json.gz) or G10 case directory")
@@ -90,7 +102,9 @@ def resolve_trace(args: argparse.Namespace, hardware: Any = None):
             from .capture import zoo_trace
         except ImportError as e:  # the capture layer is optional until it lands
             raise TraceError(f"--model needs tierflow.capture ({e})") from None
-        return zoo_trace(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, hardware=hardware)
+        with status(f"capturing {args.model}", enabled=not getattr(args, "json", False)) as say:
+            return zoo_trace(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, hardware=hardware,
+                             progress=say)
     if not args.trace:
         raise TraceError("no trace given: pass a trace file, a G10 case directory, or --model NAME")
     return load_trace(args.trace)

@@ -196,6 +196,12 @@ def _run_policies(
             return simulate_parallel(tr, h, plan, dp, progress=progress).sim
 
     resolve_budget(trace, hw, budget)  # a budget nothing can meet stops here, once
+    if pool != "none":
+        from .pool import speed_note
+
+        note = speed_note(pool)
+        if note:
+            print(note, file=sys.stderr)
     results = []
     options = options or {}
     per = 3 * trace.n_ops  # progress units of one policy: planning 1/3, simulating 2/3
@@ -427,8 +433,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         from .capture import zoo_trace
 
-        with con.status(f"capturing {args.model} (batch {args.batch}) on the meta device...") if not quiet else _null():
-            trace = zoo_trace(args.model, batch=args.batch, hardware=hw)
+        with u.status(f"capturing {args.model} (batch {args.batch}) on the meta device", enabled=not quiet) as say:
+            trace = zoo_trace(args.model, batch=args.batch, hardware=hw, progress=say)
         what = f"{args.model} at batch {args.batch}, captured on the meta device (nothing allocated)"
     names = _policy_list(args.policies)
     if not quiet:
@@ -462,14 +468,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "train": run.to_dict() if run is not None else None,
         })
     return 0
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # -- presentation ---------------------------------------------------------------------------

@@ -64,9 +64,10 @@ def _capture(args: argparse.Namespace) -> int:
         raise TraceError(f"capture: -o {args.output}: the name must end in .json or .json.gz")
     zoo.spec(args.model)
     t0 = time.perf_counter()
-    trace = zoo_trace(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, hardware=args.hardware,
-                      device=args.device, optimizer=args.optimizer, autocast=args.autocast,
-                      accumulation_steps=args.accumulation_steps)
+    with u.status(f"capturing {args.model}", enabled=not args.json) as say:
+        trace = zoo_trace(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, hardware=args.hardware,
+                          device=args.device, optimizer=args.optimizer, autocast=args.autocast,
+                          accumulation_steps=args.accumulation_steps, progress=say)
     elapsed = time.perf_counter() - t0
     if args.output:
         trace.save(args.output)

@@ -19,6 +19,7 @@ def zoo_trace(
     optimizer: str = "adamw",
     autocast: str | None = None,
     accumulation_steps: int = 1,
+    progress: Any = None,
 ) -> Any:
     """The trace of one training iteration of zoo model ``name``.
 
@@ -36,6 +37,7 @@ def zoo_trace(
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"none"``.
         autocast: ``"bf16"`` for mixed precision (fp32 parameters, bf16 compute).
         accumulation_steps: micro-batches per optimizer step.
+        progress: called with a few words as each phase of the capture starts.
 
     Raises:
         TraceError: unknown model, dtype or device; a bad batch or sequence length.
@@ -58,7 +60,7 @@ def zoo_trace(
     hw = hardware or (DEFAULT_HARDWARE if device == "meta" else None)
     return capture(
         m.model, inputs, m.loss_fn, optimizer, device, target=target, hardware=hw,
-        autocast=autocast, accumulation_steps=accumulation_steps,
+        autocast=autocast, accumulation_steps=accumulation_steps, progress=progress,
         name=f"{name}-b{batch}" + (f"-s{seq}" if seq is not None else "") + f"-{dtype}",
         meta={"model": name, "batch": batch, "seq": seq, "dtype": dtype},
     )

@@ -348,6 +348,7 @@ def capture(
     autocast: str | torch.dtype | None = None,
     accumulation_steps: int = 1,
     warmup: int = 1,
+    progress: Callable[[str], None] | None = None,
     workspace: bool = True,
     name: str = "",
     meta: dict[str, Any] | None = None,
@@ -395,6 +396,10 @@ def capture(
         The trace; ``trace.meta`` records the device, timing, hardware, dtype,
         optimizer, accumulation, autocast and parameter count.
 
+        progress: called with a few words as each phase starts (``"recording:
+            backward (1,234 ops so far)"``); library code prints nothing, the CLI shows
+            them on a spinner.
+
     Raises:
         TraceError: a bad argument (unknown optimizer, device, timing; a batch that
             ``accumulation_steps`` does not divide; a model output with no loss), or an
@@ -441,18 +446,25 @@ def capture(
     k = accumulation_steps
     state = _State(device=dev, timing=timing, compute=hw.compute if hw else None)
 
+    def say(recording: bool, phase: str) -> None:
+        if progress is not None:
+            progress(f"recording: {phase} ({len(state.ops):,} ops so far)" if recording else f"warm-up: {phase}")
+
     def one_iteration(recording: bool) -> None:
         for mb, tg in micro:
+            say(recording, "forward")
             state.phase = "forward"
             with _autocast(dev, amp_dtype), _fused_attention(dev):
                 loss = _loss_of(_call(model, mb), tg, loss_fn)
                 if k > 1:
                     loss = loss / k
+            say(recording, "backward")
             state.phase = "backward"
             loss.backward()
             del loss
         if recording:
             _label_grads(state, model)
+        say(recording, "optimizer step")
         state.phase = "optimizer"
         if opt is not None:
             opt.step()
@@ -516,6 +528,8 @@ def capture(
         torch.cuda.synchronize(dev)
     if not state.ops:
         raise TraceError("capture: the iteration ran no aten op")
+    if progress is not None:
+        progress(f"building the trace ({len(state.ops):,} ops)")
     return _build(state, model, dev, hw, name, {
         **(meta or {}),
         "optimizer": type(opt).__name__ if opt is not None else "none",

@@ -69,8 +69,32 @@ def solve(
     raise PoolError(f"unknown solver {solver!r}; expected one of {', '.join(SOLVERS)}")
 
 
+def speed_note(solver: str) -> str | None:
+    """One line saying which optional speed-ups ``solver`` runs without here (numba for
+    ``best``'s search, OR-Tools for its CP-SAT step and ``exact``), or None when it has
+    them all. The answer is valid either way; without them it is found more slowly and,
+    within the same time limit, may be further from the bound."""
+    if solver == "greedy":
+        return None
+    from . import lns
+
+    missing = []
+    if solver == "best":
+        from ._kernels import HAVE_NUMBA
+
+        if not HAVE_NUMBA:
+            missing.append("numba (the search runs interpreted, about 200x slower)")
+    if not lns.available():
+        missing.append("OR-Tools (" + ("no CP-SAT step" if solver == "best" else "HiGHS's MILP instead of CP-SAT") + ")")
+    if not missing:
+        return None
+    return (f"note: pool solver {solver!r} runs without " + " and ".join(missing)
+            + "; the answer is valid. pip install 'tierflow[fast]' for both.")
+
+
 __all__ = [
     "SOLVERS",
+    "speed_note",
     "Buffer",
     "PoolError",
     "Problem",

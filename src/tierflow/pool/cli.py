@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 from .._cli_util import console, print_json, progress
-from . import SOLVERS, read_csv, solve, validate, write_csv
+from . import SOLVERS, read_csv, solve, speed_note, validate, write_csv
 from .problem import PoolError
 
 
@@ -46,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         sol = solve(problem, solver=args.solver, time_limit=args.time_limit, seed=args.seed,
                     node_limit=args.node_limit, progress=lambda frac, peak: update(int(frac * 100)))
     seconds = time.perf_counter() - t0
+    note = speed_note(args.solver)
+    if note:
+        print(note, file=sys.stderr)
     report = validate(problem, sol.offsets, sol.peak)
     if args.output:
         write_csv(args.output, problem, sol.offsets)
@@ -61,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         "valid": report.valid,
         "optimal": sol.optimal,
     }
+    if note:
+        result["note"] = note
     if not report.valid:
         result["errors"] = list(report.errors)
     if args.output:

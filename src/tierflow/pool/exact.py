@@ -5,7 +5,7 @@ With OR-Tools installed the model goes to CP-SAT: an offset variable per buffer,
 is bounded below by the lower bound and above by greedy's peak (greedy's offsets are
 the hint). Everything is an integer: a proof of optimality is exact.
 
-Without it, HiGHS solves a mixed-integer model: for every pair of buffers live at the
+Without it, HiGHS (as scipy ships it, ``scipy.optimize.milp``) solves a mixed-integer model: for every pair of buffers live at the
 same time, one binary chooses which lies below the other (big-M disjunction, with
 greedy's peak as M and the lower bound on the peak, so HiGHS can stop as soon as it
 meets it). The number of binaries grows with the pairs; at byte-sized coefficients its
@@ -40,7 +40,7 @@ def solve_exact(problem: Problem, time_limit: float = 10.0, backend: str = "auto
 
     Raises:
         PoolError: the problem has more than :data:`MAX_PAIRS` overlapping pairs, an
-            unknown backend, or the backend's package is not installed.
+            unknown backend, or ``cpsat`` asked for without OR-Tools installed.
     """
     t0 = time.perf_counter()
     if backend not in BACKENDS:
@@ -51,12 +51,8 @@ def solve_exact(problem: Problem, time_limit: float = 10.0, backend: str = "auto
         raise PoolError(f"solver 'exact': {len(a)} overlapping pairs, more than the {MAX_PAIRS} it handles")
     use_cpsat = backend == "cpsat" or (backend == "auto" and lns.available())
     if use_cpsat and not lns.available():
-        raise PoolError("exact backend 'cpsat' needs ortools (pip install 'tierflow[solver]')")
-    if not use_cpsat:
-        try:
-            import highspy  # noqa: F401  (only to fail early and clearly)
-        except ImportError as e:  # an optional dependency ("solver" extra)
-            raise PoolError(f"solver 'exact' needs highspy or ortools (pip install 'tierflow[solver]'): {e}") from None
+        raise PoolError("exact backend 'cpsat' needs ortools (pip install 'tierflow[fast]'); "
+                        "backend 'highs' needs nothing more")
     name = "cpsat" if use_cpsat else "highs"
     lb = lower_bound(problem, units=True)
     g_units = greedy.offsets // problem.alignment
@@ -84,42 +80,43 @@ def solve_exact(problem: Problem, time_limit: float = 10.0, backend: str = "auto
 
 def _solve_highs(problem: Problem, time_limit: float, g_units: np.ndarray, big: int, lb: int,
                  pairs: tuple[np.ndarray, np.ndarray], t0: float) -> tuple[np.ndarray | None, bool, str]:
-    """The big-M MILP (M = greedy's peak ``big``): (offsets in alignment units or None
-    when HiGHS has no solution, proven optimal, HiGHS's status)."""
-    import highspy
+    """The big-M MILP (M = greedy's peak ``big``), solved by scipy's HiGHS: (offsets in
+    alignment units or None when HiGHS has no solution, proven optimal, its status)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
 
-    n, units = len(problem), problem.units
+    n, units = len(problem), problem.units.astype(np.float64)
     a, b = pairs
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(max(time_limit, 0.1)))
-    h.setOptionValue("mip_rel_gap", 0.0)
-    inf = highspy.kHighsInf
-    # columns: offsets 0..n-1, peak n, binaries n+1..n+p
-    for i in range(n):
-        h.addVar(0.0, float(big - units[i]))
-    h.addVar(float(lb), float(big))
     p = len(a)
-    for _ in range(p):
-        h.addVar(0.0, 1.0)
-    h.changeColsIntegrality(p, np.arange(n + 1, n + 1 + p, dtype=np.int32), np.full(p, highspy.HighsVarType.kInteger))
-    for i in range(n):
-        h.changeColIntegrality(i, highspy.HighsVarType.kInteger)
-    h.changeColCost(n, 1.0)
-    for i in range(n):  # offset_i + size_i <= peak
-        h.addRow(-inf, -float(units[i]), 2, np.array([i, n], dtype=np.int32), np.array([1.0, -1.0]))
+    # columns: offsets 0..n-1, peak n, binaries n+1..n+p; every one an integer
+    lo = np.concatenate([np.zeros(n), [float(lb)], np.zeros(p)])
+    hi = np.concatenate([float(big) - units, [float(big)], np.ones(p)])
+    cost = np.zeros(n + 1 + p)
+    cost[n] = 1.0
+    rows, cols, vals, upper = [], [], [], []
+    for i in range(n):  # offset_i - peak <= -size_i
+        rows += [i, i]
+        cols += [i, n]
+        vals += [1.0, -1.0]
+        upper.append(-units[i])
+    r0 = n
     for k, (i, j) in enumerate(zip(a.tolist(), b.tolist())):
         z = n + 1 + k
         # z = 1: i below j (o_i + s_i <= o_j); z = 0: j below i
-        h.addRow(-inf, float(big - units[i]), 3, np.array([i, j, z], dtype=np.int32), np.array([1.0, -1.0, float(big)]))
-        h.addRow(-inf, -float(units[j]), 3, np.array([j, i, z], dtype=np.int32), np.array([1.0, -1.0, -float(big)]))
-    h.run()
-    status = h.getModelStatus()
-    sol = h.getSolution()
-    if not sol.value_valid:
-        return None, False, h.modelStatusToString(status)
-    off_units = np.rint(np.asarray(sol.col_value[:n])).astype(np.int64)
-    return off_units, status == highspy.HighsModelStatus.kOptimal, h.modelStatusToString(status)
+        rows += [r0, r0, r0, r0 + 1, r0 + 1, r0 + 1]
+        cols += [i, j, z, j, i, z]
+        vals += [1.0, -1.0, float(big), 1.0, -1.0, -float(big)]
+        upper += [float(big) - units[i], -units[j]]
+        r0 += 2
+    A = coo_matrix((vals, (rows, cols)), shape=(r0, n + 1 + p)).tocsr()
+    res = milp(cost, constraints=LinearConstraint(A, -np.inf, np.asarray(upper)),
+               integrality=np.ones(n + 1 + p), bounds=Bounds(lo, hi),
+               options={"time_limit": float(max(time_limit, 0.1)), "mip_rel_gap": 0.0, "disp": False})
+    status = {0: "Optimal", 1: "Time limit reached", 2: "Infeasible", 3: "Unbounded"}.get(res.status, str(res.message))
+    if res.x is None:
+        return None, False, status
+    off_units = np.rint(np.asarray(res.x[:n])).astype(np.int64)
+    return off_units, res.status == 0, status
 
 
 def _solve_cpsat(problem: Problem, time_limit: float, g_units: np.ndarray, cap: int, lb: int,

@@ -38,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="compute device (default cpu)")
     p.add_argument("--policy", default="tierflow", help="policy (default tierflow; see 'tierflow policies')")
+    p.add_argument("--set", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy option, e.g. --set min_bytes=4096 (repeatable; 'tierflow policies' lists them)")
     p.add_argument("--ssd-dir", default=None, help="directory for the SSD tier's file (default: no SSD tier)")
     p.add_argument("--check-parity", action="store_true",
                    help="also train without tierflow and compare losses, gradients, parameters bitwise")
@@ -66,8 +68,27 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
                     ("--ssd-dir", args.ssd_dir), ("--report", args.report)):
         if v is not None:
             argv += [flag, str(v)]
+    for item in args.options:
+        argv += ["--set", item]
     argv += ["--check-parity"] * bool(args.check_parity) + ["--json"] * bool(args.json)
     return argv
+
+
+def _policy_options(args: argparse.Namespace) -> dict:
+    """``--set`` items, checked against the policy's declared options."""
+    from ..policies import options_from_settings
+
+    return options_from_settings([args.policy], args.options)[args.policy]
+
+
+def _step_bar(update):
+    """``train``'s progress callback drawing on the bar ``update`` (see u.progress)."""
+    def on_step(what: str, done: int, steps: int, step_s: float, moved: int) -> None:
+        base = 0 if what == "plain" else steps
+        label = ("plain PyTorch (parity)" if what == "plain" else "tierflow") + f": step {done}/{steps}"
+        label += f", {fmt_seconds(step_s)}" + (f", moved {fmt_bytes(moved)}" if what != "plain" else "")
+        update(base + done, description=label)
+    return on_step
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -81,13 +102,18 @@ def _train(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise TierflowError("--device cuda: CUDA is not available on this machine")
+    policy_options = _policy_options(args)  # a bad option fails before any rank starts
     if args.nproc is not None and not _under_torchrun():
         return _launch(args)
     if _under_torchrun():
-        return _train_rank(args)
-    res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=args.device,
-                policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
-                optimizer=args.optimizer)
+        return _train_rank(args, policy_options)
+    total = args.steps * (2 if args.check_parity else 1)
+    with u.progress(f"training {args.model}", total, enabled=not args.json) as update:
+        res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=args.device,
+                    policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
+                    optimizer=args.optimizer, policy_options=policy_options,
+                    progress=_step_bar(lambda done, description: update(
+                        done - (0 if args.check_parity else args.steps), description=description)))
     if args.report:
         _write_report(args.report, res)
     if args.json:
@@ -172,7 +198,7 @@ def _launch(args: argparse.Namespace) -> int:
     return 1 if any(codes) else 0
 
 
-def _train_rank(args: argparse.Namespace) -> int:
+def _train_rank(args: argparse.Namespace, policy_options: dict) -> int:
     """One rank of a distributed ``tierflow train``; rank 0 prints every rank's result."""
     import torch
     import torch.distributed as dist
@@ -190,7 +216,7 @@ def _train_rank(args: argparse.Namespace) -> int:
     try:
         res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=device,
                     policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
-                    optimizer=args.optimizer, strategy=args.strategy)
+                    optimizer=args.optimizer, strategy=args.strategy, policy_options=policy_options)
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, res.to_dict())
         if args.report and dist.get_rank() == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,10 +76,12 @@ class TrainResult:
         }
 
 
-def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=contextlib.nullcontext):
+def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=contextlib.nullcontext,
+               after_step: Callable[[int, float], None] | None = None):
     """The user's loop, exactly as written without tierflow. Returns losses and, when
     asked, every step's gradients (cloned before the step, inside ``aside()``: under
-    tierflow the run's ``untracked`` block, where GPU code would copy to the host)."""
+    tierflow the run's ``untracked`` block, where GPU code would copy to the host).
+    ``after_step(steps done, its seconds)`` is called after each step (progress)."""
     x, y = batch
     losses, grads, times = [], [], []
     for _ in range(steps):
@@ -92,6 +95,8 @@ def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=c
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        if after_step is not None:
+            after_step(len(times), times[-1])
     return losses, grads, times
 
 
@@ -123,6 +128,7 @@ def train(
     optimizer: str = "adamw",
     seed: int = 0,
     strategy: str | None = None,
+    progress: Callable[[str, int, int, float, int], None] | None = None,
     **options: Any,
 ) -> TrainResult:
     """Train zoo model ``model`` for ``steps`` steps under :func:`offload`.
@@ -146,15 +152,24 @@ def train(
             and takes its own slice. The parity check compares this rank's losses,
             gradients and parameters (its shards under FSDP2) with the same
             distributed run without tierflow.
+        progress: called after every step as ``progress(what, done, steps,
+            step_s, moved_bytes)``: ``what`` is ``"plain"`` (the parity run) or
+            ``"tierflow"``, ``moved_bytes`` the bytes tierflow moved so far (0 for the
+            plain run). Library code prints nothing; the CLI draws a bar from it.
         options: passed to :func:`offload` (``host_bytes``, ``policy_options``, ...).
 
     Raises:
+        tierflow.errors.PolicyError: an unknown policy, or a policy option it does not
+            declare or a bad value (checked before anything runs).
         tierflow.errors.TraceError: unknown model. The runtime's errors as for
         :func:`offload`.
     """
     from ..capture import zoo
+    from ..policies import check_options
     from .distributed import world
 
+    if isinstance(policy, str):  # a typo in an option fails now, not after profiling
+        options["policy_options"] = check_options(policy, options.get("policy_options") or {})
     spec = zoo.spec(model)
     batch = spec.batch if batch is None else batch
     if spec.seq is None:
@@ -183,14 +198,17 @@ def train(
         m0, o0 = build()
         b0 = m0.make_batch(batch, seq)
         torch.manual_seed(seed)
-        l0, g0, t0 = _run_steps(m0.model, o0, b0, m0.loss_fn, steps, True)
+        tick0 = None if progress is None else (lambda k, dt: progress("plain", k, steps, dt, 0))
+        l0, g0, t0 = _run_steps(m0.model, o0, b0, m0.loss_fn, steps, True, after_step=tick0)
         plain = (m0, l0, g0)
         plain_time = sum(t0[1:]) / max(1, len(t0) - 1) if len(t0) > 1 else t0[0]
     m1, o1 = build()
     b1 = m1.make_batch(batch, seq)
     torch.manual_seed(seed)
     with offload(m1.model, o1, budget=budget, policy=policy, ssd_dir=ssd_dir, **options) as run:
-        l1, g1, _ = _run_steps(m1.model, o1, b1, m1.loss_fn, steps, check_parity, run.untracked)
+        tick1 = None if progress is None else (
+            lambda k, dt: progress("tierflow", k, steps, dt, int(sum(run.stats.moved_bytes.values()))))
+        l1, g1, _ = _run_steps(m1.model, o1, b1, m1.loss_fn, steps, check_parity, run.untracked, after_step=tick1)
     parity, detail = None, ""
     if plain is not None:
         parity, detail = _compare(plain[1], plain[2], l1, g1, plain[0].model, m1.model)
