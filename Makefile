@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.tierflow-installed
 # The CPU build of torch; on a machine with an NVIDIA driver, pip's default (CUDA) build.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo lint bench smoke clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ test: $(STAMP) lint
 
 demo: $(STAMP)
 	$(VENV)/bin/tierflow demo
+
+# the wheel as pip installs it, no extras, in a fresh virtualenv: CI's second half
+smoke:
+	bash .ci/wheel_smoke.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/g10_baselines.py
