@@ -141,3 +141,24 @@ def test_plan_does_not_compare_an_incumbent_made_for_another_trace(offload_trace
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["policy"] == "lru" and "made for another trace" in out["incumbent"]["rejected"]
+
+
+def test_report_keeps_going_when_one_policy_cannot_plan(trace_file, tmp_path, monkeypatch, capsys):
+    # a policy that finds no plan is a row of the report (as in compare), not its end
+    import tierflow.policies as policies
+    from tierflow.errors import PlanError
+
+    real = policies.make_plan
+
+    def make_plan(name, *a, **k):
+        if name == "deepum":
+            raise PlanError("deepum: no plan fits (made up for this test)")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(policies, "make_plan", make_plan)
+    out = tmp_path / "r.html"
+    assert main(["report", trace_file, "--hardware", "rtx4090-24g", "--policies", "ideal,lru,deepum",
+                 "-o", str(out)]) == 0
+    assert "deepum does not fit: deepum: no plan fits (made up for this test)" in out.read_text()
+    assert main(["report", trace_file, "--hardware", "rtx4090-24g", "--policies", "deepum", "-o", str(out)]) == 2
+    assert "made up for this test" in capsys.readouterr().err

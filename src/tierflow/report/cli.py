@@ -48,9 +48,10 @@ def handler(args: argparse.Namespace) -> int:
     Raises:
         TierflowError: a bad trace, hardware, policy or budget (the CLI prints one line).
     """
+    from ..errors import PlanError
     from ..hardware import load_hardware
-    from ..policies import get_policy, make_plan, options_from_settings, policy_names
-    from ..simulate import simulate
+    from ..policies import get_policy, make_plan, options_from_settings, policy_names, resolve_budget
+    from ..simulate import SimResult, simulate
     from ..units import fmt_seconds
     from .html import write_report
     from .verdict import verdict
@@ -61,13 +62,21 @@ def handler(args: argparse.Namespace) -> int:
     options = options_from_settings(names, args.options)  # so does an unknown option
     hw = load_hardware(args.hardware)
     trace = u.resolve_trace(args, hardware=hw)
+    resolve_budget(trace, hw, args.budget)  # a budget nothing can meet stops here, once
     results = []
     per = 3 * trace.n_ops  # progress units of one policy: planning 1/3, simulating 2/3
     with u.progress(f"planning {names[0]}", per * len(names)) as update:
         for k, name in enumerate(names):
             update(k * per, description=f"planning {name}")
-            plan = make_plan(name, trace, hw, budget=args.budget, **options[name], progress=lambda f, what, b=k * per,
-                             n=name: update(b + f * trace.n_ops, description=f"planning {n}: {what}"))
+            try:
+                plan = make_plan(name, trace, hw, budget=args.budget, **options[name], progress=lambda f, what,
+                                 b=k * per, n=name: update(b + f * trace.n_ops, description=f"planning {n}: {what}"))
+            except PlanError as e:
+                if len(names) == 1:
+                    raise
+                # one policy that cannot fit is a finding of the report, not its end
+                results.append(SimResult.unplanned(name, trace, hw, str(e)))
+                continue
             base = k * per + trace.n_ops
             update(base, description=f"simulating {name}")
             results.append(simulate(trace, hw, plan, progress=lambda d, _t, b=base: update(b + d)))
