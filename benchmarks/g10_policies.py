@@ -40,7 +40,8 @@ def _run(row: str, trace, hw, case_dir: Path):
         plan = load_g10_plan(case_dir / "prefetch_guide.config", trace, hw, budget=hw.device_capacity)
     else:
         name, _, opts = row.partition(":")
-        extra = {k: float(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+        # text: make_plan coerces each value to the type the policy declares
+        extra = dict(o.split("=", 1) for o in opts.split(",") if o)
         plan = make_plan(name, trace, hw, **extra)
     return plan, time.perf_counter() - t0
 

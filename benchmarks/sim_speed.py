@@ -100,7 +100,8 @@ def _plan(name: str, trace: Trace, hw, budget):  # noqa: ANN001
     from tierflow.policies import make_plan
 
     policy, _, opts = name.partition(":")
-    extra = {k: float(v) for k, v in (o.split("=") for o in opts.split(",") if o)}
+    # text: make_plan coerces each value to the type the policy declares
+    extra = dict(o.split("=", 1) for o in opts.split(",") if o)
     return make_plan(policy, trace, hw, budget=budget if policy != "ideal" else None, **extra)
 
 
