@@ -55,6 +55,8 @@ def zoo_trace(
     batch = s.batch if batch is None else batch
     if s.seq is not None and seq is None:
         seq = s.seq
+    if progress is not None:
+        progress(f"building the model on {device}")
     m = zoo.build(name, dtype=dtype, device=device)
     inputs, target = m.make_batch(batch, seq)
     hw = hardware or (DEFAULT_HARDWARE if device == "meta" else None)
