@@ -78,11 +78,18 @@ class Recompute:
     ``before_op``. Every input of a re-run op must then be on the device or an output of
     an earlier op of the chain (chains of recomputed tensors are allowed); outputs of the
     chain that are not in ``tensors`` are temporaries, freed when the chain ends.
+    An input the chain reads but does not make (a checkpointed block's input, an output
+    selective checkpointing saved) is read at ``before_op``: it stays live on the device
+    until the chain has run, also where the trace's last use of it is earlier.
 
     Attributes:
         tensors: non-persistent tensor ids the chain re-creates, each used at or after
             ``before_op``.
-        ops: trace op indices re-run, in order (forward ops, each ``pure``).
+        ops: trace op indices re-run, in order (forward ops, each ``pure``, except in a
+            plan that models a system which re-runs impure ops as they are:
+            ``torch.utils.checkpoint`` re-runs a block's BatchNorm, updating its running
+            statistics a second time; the ``checkpoint`` peer policy does that by
+            default and says so in ``Plan.meta["impure_reruns"]``).
         before_op: the op the chain runs just before (the first use after the drop).
         restore_rng: the executor restores the RNG state each op first ran with, as
             ``torch.utils.checkpoint`` does; required when a re-run op draws random
