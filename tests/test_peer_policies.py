@@ -155,18 +155,43 @@ def test_blocks_are_the_repeated_layers(tiny):
         assert b.ops == tuple(range(blk["ops"]["norm"], blk["ops"]["add2"] + 1))
 
 
-def test_blocks_prefer_the_shallowest_repeated_level():
-    # ResNet-like: stages layer1..layer2 differ (2 and 3 blocks); the blocks inside match
+def _scoped(scopes_and_names) -> Trace:
     ts = [TensorInfo(0, MB, "activation")]
+    ops = [Op(name, "forward", 1e-3, (0,), (0,), scope=scope) for scope, name in scopes_and_names]
+    return Trace(ops, ts, "scoped")
+
+
+def _resnet18_like():
+    # four stages of two blocks; block 0 of stages 2-4 has a downsample, so stages
+    # 2-4 are identical to each other and their two blocks are not
+    out = []
+    for s in range(1, 5):
+        for j in range(2):
+            parts = ["conv1", "bn1", "conv2", "bn2"] + (["downsample.0"] if s > 1 and j == 0 else [])
+            out += [(f"layer{s}.{j}.{k}", "aten::convolution" if "conv" in k or "down" in k else "aten::native_batch_norm")
+                    for k in parts]
+    return [("conv1", "aten::convolution")] + out + [("fc", "aten::addmm")]
+
+
+def test_blocks_are_resnet_blocks_not_stages():
+    names = [b.name for b in find_blocks(_scoped(_resnet18_like())).blocks]
+    assert names == [f"layer{s}.{j}" for s in range(1, 5) for j in range(2)]
+
+
+def test_blocks_are_layers_not_the_experts_inside():
     ops = []
-    for stage, n in (("layer1", 2), ("layer2", 3)):
-        for j in range(n):
-            for k in ("conv1", "bn1", "conv2"):
-                ops.append(Op("aten::convolution" if "conv" in k else "aten::native_batch_norm",
-                              "forward", 1e-3, (0,), (0,), scope=f"{stage}.{j}.{k}"))
-    trace = Trace(ops, ts, "resnet-like")
-    names = [b.name for b in find_blocks(trace).blocks]
-    assert names == ["layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2"]
+    for i in range(3):
+        ops += [(f"layers.{i}.attention", "aten::mm"), (f"layers.{i}.attention", "aten::_scaled_dot_product_flash_attention"),
+                (f"layers.{i}.attention", "aten::mm"), (f"layers.{i}.moe.router", "aten::mm"), (f"layers.{i}.moe.router", "aten::topk")]
+        for e in range(4):
+            ops += [(f"layers.{i}.moe.experts.{e}", "aten::mm"), (f"layers.{i}.moe.experts.{e}", "aten::silu")]
+    names = [b.name for b in find_blocks(_scoped(ops)).blocks]
+    assert names == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_single_op_layers_of_a_sequential_are_not_blocks():
+    ops = [(str(j), name) for j, name in enumerate(["aten::convolution", "aten::relu"] * 8)]
+    assert find_blocks(_scoped(ops)).found_by == "sqrt(n)"
 
 
 def test_blocks_from_a_pattern(tiny):

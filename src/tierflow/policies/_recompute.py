@@ -37,9 +37,10 @@ The device curve (:func:`planned_device_bytes`) counts, on top of the trace's li
 bytes: a dropped tensor is absent from the op after its last use before the chain to
 the op before the chain; an input the chain reads stays live until the chain runs
 (see :class:`~tierflow.plan.Recompute`); the chain's other outputs (temporaries, and
-duplicates of tensors still live, which PyTorch also allocates) are counted at the op
-the chain runs before, with everything live there: an upper bound on the chain's own
-peak.
+duplicates of tensors still live, which PyTorch also allocates) are all held while the
+chain runs, just before the op it runs before, when that op's own outputs are not born
+yet: the count at that op is the larger of the two (as :func:`tierflow.plan.validate`
+counts a chain).
 """
 
 from __future__ import annotations
@@ -104,11 +105,10 @@ def _runs(trace: Trace, key_of: dict[int, str]) -> list[Block]:
 
 def _block_scopes_by_structure(trace: Trace) -> list[tuple[str, ...]]:
     """The block prefixes of the repeated level (see the module docstring), or []."""
-    fwd = forward_ops(trace)
-    # members: numbered prefix -> (depth, family key); signature: op names under it
+    # numbered prefix -> its family (parent path, stem) and its forward op names
     signature: dict[tuple[str, ...], list[str]] = {}
     family: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {}
-    for i in fwd:
+    for i in forward_ops(trace):
         scope = trace.ops[i].scope
         if not scope:
             continue
@@ -123,15 +123,24 @@ def _block_scopes_by_structure(trace: Trace) -> list[tuple[str, ...]]:
     by_depth: dict[int, dict[tuple, list[tuple[str, ...]]]] = {}
     for prefix, fam in family.items():
         by_depth.setdefault(len(prefix), {}).setdefault(fam, []).append(prefix)
-    for depth in sorted(by_depth):
-        families = by_depth[depth]
-        repeated = [
-            members for members in families.values()
-            if len(members) >= 2 and len({tuple(signature[m]) for m in members}) < len(members)
-        ]
+    levels = []  # (ops covered, members, depth)
+    for depth, families in by_depth.items():
+        # a level repeats when one of its families has two members running the same
+        # sequence of two or more operators (single-op layers of a Sequential do not)
+        repeated = any(
+            len(members) >= 2 and len({tuple(signature[m]) for m in members if len(signature[m]) >= 2})
+            < sum(1 for m in members if len(signature[m]) >= 2)
+            for members in families.values()
+        )
         if repeated:
-            return sorted(m for members in repeated for m in members)
-    return []
+            members = [m for ms in families.values() for m in ms]
+            levels.append((sum(len(signature[m]) for m in members), len(members), depth, members))
+    if not levels:
+        return []
+    most = max(lv[0] for lv in levels)
+    # the level that covers (nearly) the most ops, and among those the finest
+    _, _, _, members = max((lv for lv in levels if lv[0] >= 0.9 * most), key=lambda lv: (lv[1], -lv[2]))
+    return sorted(members)
 
 
 def find_blocks(trace: Trace, pattern: str = "", segments: int = 0) -> Blocks:
@@ -313,6 +322,8 @@ def planned_device_bytes(trace: Trace, recomputes: tuple[Recompute, ...]) -> np.
     delta = np.zeros(n + 1, dtype=np.int64)
     sizes = trace.sizes
     death, first, persistent = trace.death, trace.first_use, trace.persistent
+    born = ~persistent
+    births = np.bincount(trace.birth[born], weights=sizes[born], minlength=n).astype(np.int64)
     held_until: dict[int, int] = {}
     for r in recomputes:
         b = r.before_op
@@ -329,7 +340,9 @@ def planned_device_bytes(trace: Trace, recomputes: tuple[Recompute, ...]) -> np.
             for t in trace.ops[i].inputs:
                 if t not in made and not persistent[t] and int(death[t]) < b:
                     held_until[t] = max(held_until.get(t, -1), b)
-        temps = sum(int(sizes[t]) for t in made - drop)
+        # while the chain runs, op b's own outputs are not born yet: the chain's
+        # temporaries raise the count at b only by what they exceed those by
+        temps = max(0, sum(int(sizes[t]) for t in made - drop) - int(births[b]))
         delta[b] += temps
         delta[b + 1] -= temps
     for t, b in held_until.items():
