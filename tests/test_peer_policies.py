@@ -189,8 +189,10 @@ def test_blocks_are_layers_not_the_experts_inside():
     assert names == ["layers.0", "layers.1", "layers.2"]
 
 
-def test_single_op_layers_of_a_sequential_are_not_blocks():
-    ops = [(str(j), name) for j, name in enumerate(["aten::convolution", "aten::relu"] * 8)]
+def test_leaf_layers_of_a_sequential_are_not_blocks():
+    # Linear (two ops) and ReLU, eight times: the Linears match but have no submodules
+    ops = [op for j in range(8) for op in ((f"net.{2 * j}", "aten::t"), (f"net.{2 * j}", "aten::addmm"),
+                                           (f"net.{2 * j + 1}", "aten::relu"))]
     assert find_blocks(_scoped(ops)).found_by == "sqrt(n)"
 
 

@@ -108,6 +108,7 @@ def _block_scopes_by_structure(trace: Trace) -> list[tuple[str, ...]]:
     # numbered prefix -> its family (parent path, stem) and its forward op names
     signature: dict[tuple[str, ...], list[str]] = {}
     family: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {}
+    composite: set[tuple[str, ...]] = set()  # prefixes with submodules of their own
     for i in forward_ops(trace):
         scope = trace.ops[i].scope
         if not scope:
@@ -120,18 +121,20 @@ def _block_scopes_by_structure(trace: Trace) -> list[tuple[str, ...]]:
             prefix = parts[:k]
             family[prefix] = (parts[: k - 1], m.group(1))
             signature.setdefault(prefix, []).append(_DIGITS.sub("#", trace.ops[i].name))
+            if k < len(parts):
+                composite.add(prefix)
     by_depth: dict[int, dict[tuple, list[tuple[str, ...]]]] = {}
     for prefix, fam in family.items():
         by_depth.setdefault(len(prefix), {}).setdefault(fam, []).append(prefix)
     levels = []  # (ops covered, members, depth)
     for depth, families in by_depth.items():
-        # a level repeats when one of its families has two members running the same
-        # sequence of two or more operators (single-op layers of a Sequential do not)
-        repeated = any(
-            len(members) >= 2 and len({tuple(signature[m]) for m in members if len(signature[m]) >= 2})
-            < sum(1 for m in members if len(signature[m]) >= 2)
-            for members in families.values()
-        )
+        # a level repeats when one of its families has two members with submodules
+        # running the same operators (the leaf layers of a Sequential are not blocks)
+        def repeats(members: list[tuple[str, ...]]) -> bool:
+            blocks = [tuple(signature[m]) for m in members if m in composite]
+            return len(set(blocks)) < len(blocks)
+
+        repeated = any(repeats(members) for members in families.values())
         if repeated:
             members = [m for ms in families.values() for m in ms]
             levels.append((sum(len(signature[m]) for m in members), len(members), depth, members))
