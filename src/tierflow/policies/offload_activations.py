@@ -31,7 +31,11 @@ a GPU-bound step gets; with ``use_streams=False`` the copy is on the compute str
 waits for the op before: ``run_ahead`` 0, no stash). Not modelled: the compute stream's
 wait for a pack copy five packs later (the simulator holds the device bytes until the
 eviction ends instead), one side stream carrying both directions (tierflow's links
-have a copy engine per direction), and packs of the same tensor by several ops.
+have a copy engine per direction), packs of the same tensor by several ops, and the
+weights a matmul saves: autograd saves the transposed *view* of the weight, which is no
+``nn.Parameter``, so torchtune copies it out and back too (no device memory is freed by
+that; its traffic is not charged here). The stash is counted in offloaded activations
+only (torchtune's counter also advances on small tensors and those weight views).
 
 The offload is used only when the trace does not fit the budget as it is (``always``
 turns it on regardless); when the plan still exceeds the budget, or pinned host memory
