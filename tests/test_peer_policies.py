@@ -12,6 +12,8 @@ import math
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import MB, simple_hw
 from tierflow import Op, TensorInfo, Trace, load_hardware, validate
@@ -450,3 +452,29 @@ def test_deterministic(tiny, name):
     a = make_plan(name, trace, simple_hw(), budget=_tight(trace))
     b = make_plan(name, trace, simple_hw(), budget=_tight(trace))
     assert a == b
+
+
+# -- property: any plan a peer returns is valid and within its budget -------------------------------
+
+
+@settings(max_examples=25)
+@given(
+    layers=st.integers(1, 4),
+    act_mb=st.integers(1, 30),
+    dropout=st.booleans(),
+    batchnorm=st.booleans(),
+    share=st.floats(0.3, 1.0),
+    name=st.sampled_from(PEERS),
+)
+def test_every_plan_is_valid_or_refused_with_bytes(layers, act_mb, dropout, batchnorm, share, name):
+    trace, _ = transformer(layers, act_mb * MB, dropout, batchnorm)
+    hw = simple_hw()
+    budget = min(max(int(share * trace.peak_live_bytes), int(trace.working_set_bytes.max())), 2**30)
+    try:
+        plan = make_plan(name, trace, hw, budget=budget, always=True)
+    except PlanError as e:
+        assert re.search(r"\(\d+ bytes\)", str(e))
+        return
+    if plan.recomputes:
+        assert planned_device_bytes(trace, plan.recomputes).max() <= budget
+    _check(plan, trace, hw, budget)
