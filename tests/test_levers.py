@@ -371,3 +371,23 @@ def test_squeezed_lever_plans_never_exceed_the_budget(case, share):
     plan = dataclasses.replace(plan, budget_bytes=float(max(need, int(fitted * share))))
     r = simulate(tr, hw, plan, check_plan=False)
     check_invariants(tr, hw, plan, r, levers=True)
+
+
+def test_the_timeline_shows_recompute_and_host_work_in_their_own_colours():
+    from tierflow.report.figures import HOST_COLOR, KIND_COLORS, RECOMPUTE_COLOR, timeline_figure
+
+    tr, hw = small()
+    plan = _plan(tr, hw, recompute_candidates(tr)[:1], host_steps_of(tr))
+    res = simulate(tr, hw, plan)
+    fig = timeline_figure(tr, hw, res)
+    gantt = fig.axes[1]
+    labels = [t.get_text() for t in gantt.get_legend().get_texts()]
+    assert any(lb.startswith("recompute") for lb in labels)
+    assert "optimizer update on the host" in labels
+    assert "gradient to the host (host step)" in labels
+    colours = {tuple(round(c, 3) for c in coll.get_facecolor()[0][:3]) for coll in gantt.collections}
+
+    def rgb(hex_: str) -> tuple:
+        return tuple(round(int(hex_[i : i + 2], 16) / 255, 3) for i in (1, 3, 5))
+
+    assert {rgb(RECOMPUTE_COLOR), rgb(HOST_COLOR), rgb(KIND_COLORS["host_grad"])} <= colours
