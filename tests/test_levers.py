@@ -30,6 +30,7 @@ from test_simulator_properties import check_invariants
 from tierflow import Plan, validate
 from tierflow.errors import PlanError, SimulationError
 from tierflow.plan import HostStep, Recompute
+from tierflow.policies import policy_names
 from tierflow.simulate import simulate
 
 
@@ -391,3 +392,38 @@ def test_the_timeline_shows_recompute_and_host_work_in_their_own_colours():
         return tuple(round(int(hex_[i : i + 2], 16) / 255, 3) for i in (1, 3, 5))
 
     assert {rgb(RECOMPUTE_COLOR), rgb(HOST_COLOR), rgb(KIND_COLORS["host_grad"])} <= colours
+
+
+def test_cli_simulates_a_lever_plan_file(tmp_path, capsys):
+    from tierflow.cli import main
+    from tierflow.hardware import load_hardware
+
+    tr, _ = small()
+    hw = load_hardware("rtx4090-24g")  # (no host compute model in the presets yet)
+    tpath = tr.save(tmp_path / "t.json")
+    rc = _plan(tr, hw, recompute_candidates(tr)[:1]).save(tmp_path / "rc.json")
+    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(rc)]) == 0
+    assert "recompute" in capsys.readouterr().out
+    hs = _plan(tr, hw, host_steps=host_steps_of(tr)).save(tmp_path / "hs.json")
+    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(hs)]) == 2
+    assert "no host compute model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", policy_names())
+@given(lever_traces(max_layers=3), st.floats(0.4, 1.0))
+def test_every_plan_of_every_policy_validates_and_keeps_the_invariants(name, tr, share):
+    """Every policy's plan (the move planners, and those that recompute or host-step,
+    once present) on a trace with optimizer state and random numbers: it validates, and
+    its simulation keeps the invariants."""
+    from tierflow.policies import make_plan, min_working_set
+
+    hw = host_hw()
+    need, _ = min_working_set(tr)
+    budget = max(need, int(tr.peak_live_bytes * share))
+    try:
+        plan = make_plan(name, tr, hw, budget=budget)
+    except PlanError:
+        return  # no plan fits: allowed
+    validate(plan, tr, hw)
+    r = simulate(tr, hw, plan)
+    check_invariants(tr, hw, plan, r, levers=True)
