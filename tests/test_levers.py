@@ -427,3 +427,20 @@ def test_every_plan_of_every_policy_validates_and_keeps_the_invariants(name, tr,
     validate(plan, tr, hw)
     r = simulate(tr, hw, plan)
     check_invariants(tr, hw, plan, r, levers=True)
+
+
+def test_rejects_a_chain_before_a_host_stepped_op():
+    from tierflow import Op, TensorInfo, Trace
+
+    mb = 1_000_000
+    ts = [TensorInfo(0, mb, "parameter", True, "w"), TensorInfo(1, mb, "optimizer_state", True, "m"),
+          TensorInfo(2, mb, "activation"), TensorInfo(3, mb, "activation"), TensorInfo(4, mb, "gradient")]
+    ops = [Op("f0", "forward", 1e-3, (0,), (2,)), Op("f1", "forward", 1e-3, (2,), (3,)),
+           Op("bwd", "backward", 1e-3, (3, 0), (4,)), Op("step", "optimizer", 1e-3, (0, 4, 1), (0, 1)),
+           Op("late", "backward", 1e-3, (2,), ())]
+    tr = Trace(ops, ts, "interleaved")
+    hw = host_hw()
+    step = HostStep(0, 4, (1,), (3,))
+    validate(_plan(tr, hw, [Recompute((2,), (0,), 4)], [step]), tr, hw)
+    with pytest.raises(PlanError, match=r"recompute 0: field 'before_op' is op 3, which a host step runs"):
+        validate(_plan(tr, hw, [Recompute((2,), (0,), 3)], [step]), tr, hw)
