@@ -155,10 +155,39 @@ def test_rejects_a_host_step_on_a_non_parameter():
 def test_rejects_host_step_ops_that_are_not_exactly_its_optimizer_ops():
     tr, hw = small()
     hs = host_steps_of(tr)[0]
-    with pytest.raises(PlanError, match=r"field 'ops' must be the optimizer ops.*is missing"):
+    with pytest.raises(PlanError, match=r"field 'ops' must hold every optimizer op touching its tensors.*is missing"):
         validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=())]), tr, hw)
     with pytest.raises(PlanError, match=r"field 'ops'"):
         validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=hs.ops + (0,))]), tr, hw)
+
+
+def _adam_like() -> tuple:
+    """One weight whose update is three optimizer ops: ``sqrt(m) -> a``, ``a / 2 -> b``
+    (temporaries only) and ``w -= g / b`` (in place on w and m)."""
+    from tierflow import Op, TensorInfo, Trace
+
+    mb = 1_000_000
+    ts = [TensorInfo(0, mb, "parameter", True, "w"), TensorInfo(1, mb, "optimizer_state", True, "m"),
+          TensorInfo(2, mb, "input"), TensorInfo(3, mb, "activation"), TensorInfo(4, mb, "gradient"),
+          TensorInfo(5, mb, "temporary", name="a"), TensorInfo(6, mb, "temporary", name="b")]
+    ops = [Op("fwd", "forward", 1e-3, (2, 0), (3,)), Op("bwd", "backward", 1e-3, (3, 2, 0), (4,)),
+           Op("sqrt", "optimizer", 1e-3, (1,), (5,)), Op("div", "optimizer", 1e-3, (5,), (6,)),
+           Op("upd", "optimizer", 1e-3, (0, 4, 6, 1), (0, 1))]
+    return Trace(ops, ts, "adam-like"), host_hw()
+
+
+def test_a_host_step_may_hold_the_updates_arithmetic_on_temporaries():
+    tr, hw = _adam_like()
+    step = HostStep(0, 4, (1,), (2, 3, 4))
+    res = validate(_plan(tr, hw, host_steps=[step]), tr, hw)
+    # during the optimizer ops only the weight is on the device: the gradient has gone
+    # home, the state lives there, the temporaries are the host's
+    assert (res.tier_bytes["gpu"][2:] == tr.sizes[0]).all()
+    r = simulate(tr, hw, _plan(tr, hw, host_steps=[step]))
+    assert r.error is None and math.isclose(r.host_op_s, 3e-3)
+    # without the temporaries' op, tensor 5 (made on the host) would be read on the device
+    with pytest.raises(PlanError, match=r"touches tensor 5 \(a\), which op 3 \(div\) also uses on the device"):
+        validate(_plan(tr, hw, host_steps=[HostStep(0, 4, (1,), (2, 4))]), tr, hw)
 
 
 def test_rejects_a_shared_optimizer_op_when_not_all_its_params_are_host_stepped():
