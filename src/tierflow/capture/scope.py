@@ -40,8 +40,9 @@ Example:
     ...     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
     ...         seen.append(tracker.scope())
     ...         return func(*args, **(kwargs or {}))
+    >>> x = torch.randn(2, 4)
     >>> with ScopeTracker(net) as tracker, Spy():
-    ...     net(torch.randn(2, 4)).sum().backward()
+    ...     net(x).sum().backward()
     >>> seen[:3], seen[-1]
     (['0', '0', '1'], '0')
 """
