@@ -112,6 +112,15 @@ class HostStep:
     :class:`tierflow.hardware.HostCompute`) once the gradient has arrived; the updated
     parameter is copied back to the device before its next use.
 
+    The ``ops`` no longer run on the device, so their uses do not count there: a tensor
+    they alone use (a temporary of the update) is not on the device, and a plan may keep
+    the parameter away from the device through them. When the plan's moves have the
+    parameter away while the update runs (ZeRO-3 evicts every parameter after its last
+    backward use), the update writes the copy on the host and the plan's own prefetch
+    brings it back: no extra copy. A ``foreach``/fused op that updates several
+    host-stepped parameters is listed in each of their host steps (it is one op: it
+    leaves the device once).
+
     Attributes:
         param: the parameter's tensor id.
         grad: its gradient's tensor id.

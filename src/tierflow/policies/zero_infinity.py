@@ -262,7 +262,7 @@ def away_delta(trace: Trace, calls: list[Call], events: dict[int, list[tuple[str
     return np.cumsum(delta[:-1])
 
 
-@register("zero_infinity", options=OPTIONS)
+@register("zero_infinity", options=OPTIONS, host_optimizer=True)
 def zero_infinity(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """DeepSpeed ZeRO-Infinity: parameters and optimizer state offloaded, fetched ahead.
 

@@ -165,7 +165,7 @@ def _with_checkpoint(
     return curve, recomputes, info
 
 
-@register("zero_offload", options=OPTIONS)
+@register("zero_offload", options=OPTIONS, host_optimizer=True)
 def zero_offload(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """DeepSpeed ZeRO-Offload: gradients and optimizer state on the host, update there.
 
@@ -185,7 +185,7 @@ def zero_offload(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Pl
     return _plan("zero_offload", trace, hardware, options, checkpointing=False)
 
 
-@register("zero_offload+checkpoint", options=OPTIONS + CHECKPOINT_OPTIONS)
+@register("zero_offload+checkpoint", options=OPTIONS + CHECKPOINT_OPTIONS, host_optimizer=True)
 def zero_offload_checkpoint(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """ZeRO-Offload with activation checkpointing around every block.
 
