@@ -128,11 +128,13 @@ def transformer(layers: int = 3, act: int = 10 * MB, dropout: bool = False, batc
 
 def _check(plan, trace, hw, budget):
     assert plan.budget_bytes == budget
-    if plan.recomputes:  # until validate and simulate count recomputes (branch sim)
-        plan = dataclasses.replace(plan, budget_bytes=math.inf)
-    validate(plan, trace, hw)
+    res = validate(plan, trace, hw)  # raises if inconsistent or over any capacity
+    assert res.tier_bytes[hw.device].max() <= budget
+    if plan.recomputes:  # the policy's own count is the validator's
+        assert (planned_device_bytes(trace, plan.recomputes) == res.tier_bytes[hw.device]).all()
     r = simulate(trace, hw, plan)
-    assert r.error is None and r.time_s >= trace.ideal_s
+    assert r.error is None and r.fits and r.peak_bytes[hw.device] <= budget
+    assert r.time_s >= trace.ideal_s
     return r
 
 
@@ -238,7 +240,11 @@ def test_checkpoint_drops_exactly_the_blocks_saved_interior(tiny):
         ops = blk["ops"]
         assert r.ops == tuple(range(ops["norm"], ops["w2"] + 1))
         assert r.restore_rng
-    _check(plan, trace, hw, plan.budget_bytes)
+    r = _check(plan, trace, hw, plan.budget_bytes)
+    # the chains run on the compute stream: the step pays for every re-run op
+    assert r.recompute_ops == sum(len(c.ops) for c in plan.recomputes)
+    assert r.recompute_s == pytest.approx(plan.meta["recompute_s"])
+    assert r.time_s >= trace.ideal_s + plan.meta["recompute_s"] - 1e-12
 
 
 def test_checkpoint_planned_peak(tiny):
@@ -282,6 +288,11 @@ def test_checkpoint_reruns_batchnorm_as_torch_does_or_keeps_it():
     assert blk["n"] not in r.tensors and blk["q"] in r.tensors
     with pytest.raises(PolicyError, match="impure"):
         make_plan("checkpoint", trace, hw, impure="skip")
+    # selective checkpointing is torch.utils.checkpoint underneath: it re-runs it too
+    sac = make_plan("selective", trace, hw, budget=_tight(trace))
+    assert sac.meta["impure_reruns"] == 3
+    for plan in (rerun, keep, sac):
+        _check(plan, trace, hw, plan.budget_bytes)
 
 
 def test_checkpoint_refuses_with_bytes_when_even_checkpointing_is_too_big(tiny):

@@ -88,8 +88,8 @@ class Recompute:
         ops: trace op indices re-run, in order (forward ops, each ``pure``, except in a
             plan that models a system which re-runs impure ops as they are:
             ``torch.utils.checkpoint`` re-runs a block's BatchNorm, updating its running
-            statistics a second time; the ``checkpoint`` peer policy does that by
-            default and says so in ``Plan.meta["impure_reruns"]``).
+            statistics a second time; the ``checkpoint`` and ``selective`` peer
+            policies do that by default and say so in ``Plan.meta["impure_reruns"]``).
         before_op: the op the chain runs just before (the first use after the drop).
         restore_rng: the executor restores the RNG state each op first ran with, as
             ``torch.utils.checkpoint`` does; required when a re-run op draws random

@@ -46,6 +46,7 @@ Options:
 
 from __future__ import annotations
 
+from ..errors import PolicyError
 from ..hardware import Hardware
 from ..plan import Plan, Recompute
 from ..trace import Trace
@@ -79,7 +80,19 @@ def recompute_plan(
     recomputes: tuple[Recompute, ...],
     meta: dict,
 ) -> Plan:
-    """The plan of ``recomputes`` if it meets the budget, else :class:`PlanError`."""
+    """The plan of ``recomputes`` if it meets the budget, else :class:`PlanError`.
+    Applies the ``impure`` option (``keep``: re-run only pure ops) and records how many
+    impure ops the plan re-runs (``meta["impure_reruns"]``, which lets the validator
+    accept them).
+
+    Raises:
+        PolicyError: an unknown ``impure``.
+        PlanError: the plan exceeds the budget (with the bytes).
+    """
+    impure = impure_option(policy, options)
+    if impure == "keep":
+        recomputes = _keep_impure(trace, recomputes)
+    reruns = sum(1 for r in recomputes for i in r.ops if not trace.ops[i].pure)
     curve = planned_device_bytes(trace, recomputes)
     peak = int(curve.max()) if len(curve) else 0
     dropped = int(sum(int(trace.sizes[t]) for r in recomputes for t in r.tensors))
@@ -96,9 +109,23 @@ def recompute_plan(
         "recomputed_bytes": dropped,
         "recompute_s": recompute_seconds(trace, recomputes),
         "planned_peak_bytes": peak,
+        "impure": impure,
+        "impure_reruns": reruns,
     }
     info.update(meta)
     return Plan(policy=policy, budget_bytes=options.budget_bytes, meta=info, recomputes=recomputes)
+
+
+def impure_option(policy: str, options: PolicyOptions) -> str:
+    """The ``impure`` option, checked.
+
+    Raises:
+        PolicyError: it is not one of :data:`IMPURE`.
+    """
+    impure = str(options.get("impure", "rerun"))
+    if impure not in IMPURE:
+        raise PolicyError(f"{policy}: impure {impure!r} is not one of {', '.join(IMPURE)}")
+    return impure
 
 
 def fits_as_is(trace: Trace, options: PolicyOptions) -> bool:
@@ -136,19 +163,11 @@ def checkpoint(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan
     Example:
         >>> make_plan("checkpoint", trace, hw, budget="12GiB")  # doctest: +SKIP
     """
-    from ..errors import PolicyError
-
-    impure = str(options.get("impure", "rerun"))
-    if impure not in IMPURE:
-        raise PolicyError(f"checkpoint: impure {impure!r} is not one of {', '.join(IMPURE)}")
+    impure_option("checkpoint", options)
     blocks = find_blocks(trace, str(options.get("pattern", "")), int(options.get("segments", 0)))
     if fits_as_is(trace, options):
         return Plan(policy="checkpoint", budget_bytes=options.budget_bytes,
                     meta={"blocks": len(blocks.blocks), "blocks_from": blocks.found_by, "recomputes": 0,
                           "note": "fits without checkpointing"})
     recomputes = block_recomputes(trace, blocks, early_stop=bool(options.get("early_stop", True)))
-    if impure == "keep":
-        recomputes = _keep_impure(trace, recomputes)
-    impure_ops = sum(1 for r in recomputes for i in r.ops if not trace.ops[i].pure)
-    return recompute_plan("checkpoint", trace, hardware, options, blocks, recomputes,
-                          {"impure": impure, "impure_reruns": impure_ops})
+    return recompute_plan("checkpoint", trace, hardware, options, blocks, recomputes, {})

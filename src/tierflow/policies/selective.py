@@ -42,6 +42,8 @@ Options:
     segments (int): segments without scopes (default 0: sqrt(n)).
     force_recompute (str): comma-separated scope substrings whose ``mm`` is always
         recomputed (default ``moe.router.gate``, torchtitan's).
+    impure (str): ``rerun`` (default: SAC is ``torch.utils.checkpoint`` underneath and
+        re-runs a BatchNorm with its side effect) or ``keep`` (as for ``checkpoint``).
     always (bool): checkpoint even when the trace fits as it is (default False).
 """
 
@@ -52,7 +54,7 @@ from ..plan import Plan
 from ..trace import Trace
 from . import PolicyOption, PolicyOptions, register
 from ._recompute import Blocks, block_recomputes, find_blocks
-from .checkpoint import fits_as_is, recompute_plan
+from .checkpoint import IMPURE, fits_as_is, impure_option, recompute_plan
 
 # torchtitan's save set (see the module docstring), by aten name without namespace
 SAVE_OPS = frozenset({
@@ -77,6 +79,7 @@ OPTIONS = (
     PolicyOption("pattern", str, "", "regex the block scopes match in full (default: the repeated level of the scopes)"),
     PolicyOption("segments", int, 0, "checkpointed segments on a trace without scopes (0: sqrt(n) of the forward ops)"),
     PolicyOption("force_recompute", str, "moe.router.gate", "comma-separated scope substrings whose mm is always recomputed"),
+    PolicyOption("impure", str, "rerun", "ops with side effects (BatchNorm): re-run them as PyTorch does, or keep what they make", IMPURE),
     PolicyOption("always", bool, False, "checkpoint even when the trace fits the budget without it"),
 )
 
@@ -117,12 +120,13 @@ def selective(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         options: see the module docstring.
 
     Raises:
-        PolicyError: a bad ``pattern`` or ``segments``.
+        PolicyError: a bad ``pattern``, ``segments`` or ``impure``.
         PlanError: the plan does not meet the budget (with the bytes).
 
     Example:
         >>> make_plan("selective", trace, hw, budget="16GiB")  # doctest: +SKIP
     """
+    impure_option("selective", options)
     blocks = find_blocks(trace, str(options.get("pattern", "")), int(options.get("segments", 0)))
     if fits_as_is(trace, options):
         return Plan(policy="selective", budget_bytes=options.budget_bytes,
