@@ -155,7 +155,7 @@ def test_rejects_a_host_step_on_a_non_parameter():
 def test_rejects_host_step_ops_that_are_not_exactly_its_optimizer_ops():
     tr, hw = small()
     hs = host_steps_of(tr)[0]
-    with pytest.raises(PlanError, match=r"field 'ops' must be the optimizer ops.*is missing"):
+    with pytest.raises(PlanError, match=r"field 'ops' must include every optimizer op touching its tensors.*is missing"):
         validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=())]), tr, hw)
     with pytest.raises(PlanError, match=r"field 'ops'"):
         validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=hs.ops + (0,))]), tr, hw)
@@ -263,7 +263,7 @@ def test_a_parameter_use_waits_for_its_update():
 
 def test_host_steps_need_a_host_compute_model():
     tr, _ = small()
-    hw = simple_hw()
+    hw = dataclasses.replace(simple_hw(), host_compute=None)
     with pytest.raises(SimulationError, match="no host compute model"):
         simulate(tr, hw, _plan(tr, hw, host_steps=host_steps_of(tr)))
 
@@ -399,14 +399,14 @@ def test_cli_simulates_a_lever_plan_file(tmp_path, capsys):
     from tierflow.hardware import load_hardware
 
     tr, _ = small()
-    hw = load_hardware("rtx4090-24g")  # (no host compute model in the presets yet)
+    hw = load_hardware("rtx4090-24g")
     tpath = tr.save(tmp_path / "t.json")
     rc = _plan(tr, hw, recompute_candidates(tr)[:1]).save(tmp_path / "rc.json")
     assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(rc)]) == 0
     assert "recompute" in capsys.readouterr().out
     hs = _plan(tr, hw, host_steps=host_steps_of(tr)).save(tmp_path / "hs.json")
-    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(hs)]) == 2
-    assert "no host compute model" in capsys.readouterr().err
+    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(hs)]) == 0
+    assert "host" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", policy_names())

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from helpers import MB
-from tierflow import Op, TensorInfo, Trace, load_hardware
+from tierflow import Op, TensorInfo, Trace, load_hardware, validate
 from tierflow.errors import PlanError, PolicyError
 from tierflow.policies import make_plan, policy_options
+from tierflow.simulate import simulate
 from tierflow.synthetic import gpt_trace
 
 ZERO = ("zero_offload", "zero_offload+checkpoint", "zero_infinity")
@@ -381,3 +382,28 @@ def test_foreach_group_is_host_stepped_whole(hw, keys, per_param_ops):
 def test_foreach_group_without_keys_or_per_parameter_ops_is_refused(hw):
     with pytest.raises(PlanError, match="parameter 0 \\(a\\) has no gradient .* cannot host-step it"):
         make_plan("zero_offload", _foreach_trace(False, False), hw, **SMALL_BUCKET)
+
+
+# -- the validator and the simulator ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ZERO)
+@pytest.mark.parametrize("which", ("gpt", "flat", "captured"))
+def test_plan_validates_and_simulates(request, hw, name, which):
+    trace = request.getfixturevalue(which)
+    opts = {**SMALL_BUCKET, **({"always": True} if name.endswith("checkpoint") else {}),
+            **(EVERY_USE if name == "zero_infinity" else {})}
+    plan = make_plan(name, trace, hw, **opts)
+    res = validate(plan, trace, hw)
+    if name == "zero_offload+checkpoint":
+        from tierflow.policies._recompute import planned_device_bytes
+
+        mine = planned_device_bytes(trace, plan.recomputes) - trace.live_bytes + residency(plan, trace)[0]
+    else:
+        mine = residency(plan, trace)[0]
+    assert np.array_equal(res.tier_bytes[hw.device], mine)  # the validator counts what the walk here counts
+    r = simulate(trace, hw, plan)
+    gone = {i for h in plan.host_steps for i in h.ops}
+    on_device = sum(o.duration_s for i, o in enumerate(trace.ops) if i not in gone)
+    assert r.error is None and np.isfinite(r.time_s) and r.time_s >= on_device * (1 - 1e-9)
+    assert r.peak_bytes[hw.device] <= plan.meta["planned_peak_bytes"]
