@@ -13,6 +13,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import MB
 from tierflow import Op, TensorInfo, Trace, load_hardware, validate
@@ -407,3 +409,41 @@ def test_plan_validates_and_simulates(request, hw, name, which):
     on_device = sum(o.duration_s for i, o in enumerate(trace.ops) if i not in gone)
     assert r.error is None and np.isfinite(r.time_s) and r.time_s >= on_device * (1 - 1e-9)
     assert r.peak_bytes[hw.device] <= plan.meta["planned_peak_bytes"]
+
+
+# -- the coordinator walk, on random module-call sequences ------------------------------
+
+
+@st.composite
+def call_sequences(draw):
+    from tierflow.policies.zero_infinity import Call
+
+    n_params = draw(st.integers(1, 5))
+    calls = []
+    for s in range(draw(st.integers(1, 12))):
+        used = draw(st.sets(st.integers(0, n_params - 1), max_size=3))
+        calls.append(Call(2 * s, 2 * s + 1, {p: 2 * s for p in used}))
+    numel = {p: draw(st.integers(1, 100)) for p in range(n_params)}
+    knobs = [draw(st.integers(0, 300)) for _ in range(3)]
+    return calls, numel, knobs
+
+
+@given(call_sequences())
+def test_coordinator_walk_has_every_parameter_there_for_every_call_that_uses_it(case):
+    from tierflow.policies.zero_infinity import coordinator_walk
+
+    calls, numel, (bucket, live, reuse) = case
+    events = coordinator_walk(calls, numel, bucket, live, reuse)
+    for s, c in enumerate(calls):
+        for p in c.params:
+            evs = events[p]
+            kinds = [k for k, _, _ in evs]
+            assert kinds == ["fetch", "release"] * (len(evs) // 2)  # alternate, all released
+            # the fetch that covers call s was issued at or before it, for a call that
+            # uses p, and the release that follows it is not before s
+            spans = [(evs[k][1], evs[k][2], evs[k + 1][1]) for k in range(0, len(evs), 2)]
+            assert sum(at <= s <= rel for at, _, rel in spans) == 1
+            assert all(at <= need <= rel and p in calls[need].params for at, need, rel in spans)
+    if bucket == 0 and reuse == 0:  # fetched for every call, released after it
+        for p in numel:
+            assert len(events.get(p, [])) == 2 * sum(p in c.params for c in calls)

@@ -190,21 +190,21 @@ def coordinator_walk(
         # prefetch what comes next
         if prefetch_bucket > 0:
             limit = min(max_live - n_avail, prefetch_bucket)
-            batch: set[int] = set()
+            batch: dict[int, int] = {}  # parameter -> the call its entry is for
             fetched = 0
             while qi < len(queue) and fetched < limit:
                 s2, p2 = queue[qi]
                 qi += 1
                 recent[p2] = max(recent[p2], s2)
                 if p2 not in avail and p2 not in batch:
-                    batch.add(p2)
+                    # (a parameter released earlier has no entry before this one left:
+                    # an entry passed while it was on the device would have kept it)
+                    batch[p2] = s2
                     fetched += numel[p2]
             for p2 in sorted(batch):
                 avail.add(p2)
                 n_avail += numel[p2]
-                # needed by the first call after this one that uses it
-                need = next(k for k in range(s + 1, len(calls)) if p2 in calls[k].params)
-                events[p2].append(("fetch", s, need))
+                events[p2].append(("fetch", s, batch[p2]))
         # release this call's parameters unless reused soon
         for p in sorted(c.params):
             if p in resident or recent[p] > s or _reused_within(calls, call_numel, s + 1, p, max_reuse):
