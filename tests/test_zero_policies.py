@@ -447,3 +447,19 @@ def test_coordinator_walk_has_every_parameter_there_for_every_call_that_uses_it(
     if bucket == 0 and reuse == 0:  # fetched for every call, released after it
         for p in numel:
             assert len(events.get(p, [])) == 2 * sum(p in c.params for c in calls)
+
+
+def test_budget_floor_is_the_forward_and_backward_working_set(gpt, hw):
+    from tierflow.policies import min_working_set
+
+    whole, op = min_working_set(gpt)
+    assert gpt.ops[op].phase == "optimizer"  # AdamW on the embedding: weight, grad, 2 moments
+    fwd_bwd, op2 = min_working_set(gpt, host_optimizer=True)
+    assert fwd_bwd < whole and gpt.ops[op2].phase != "optimizer"
+    peak = make_plan("zero_offload", gpt, hw, **SMALL_BUCKET).meta["planned_peak_bytes"]
+    assert peak < whole  # host-stepping takes it under what the device optimizer needs
+    make_plan("zero_offload", gpt, hw, budget=peak, **SMALL_BUCKET)
+    with pytest.raises(PlanError, match="no plan can fit"):
+        make_plan("myelin", gpt, hw, budget=peak)  # a device optimizer cannot go there
+    with pytest.raises(PlanError, match=rf"minimum working set is {fwd_bwd} bytes \(op {op2}\)"):
+        make_plan("zero_offload", gpt, hw, budget=peak - 1, **SMALL_BUCKET)

@@ -327,7 +327,8 @@ def zero_infinity(trace: Trace, hardware: Hardware, options: PolicyOptions) -> P
     if peak > options.budget_bytes:
         raise no_fit(policy, trace, hardware, options.budget_bytes,
                      f"with {len(partitioned)} parameters offloaded to {param_tier} ({fetches} fetches), "
-                     f"{len(stay)} kept, optimizer state on {opt_tier}, a {bucket}-byte gradient bucket", curve)
+                     f"{len(stay)} kept, optimizer state on {opt_tier}, a {bucket}-byte gradient bucket", curve,
+                     host_optimizer=True)
     meta = {
         "param_tier": param_tier,
         "optimizer_tier": opt_tier,

@@ -128,7 +128,7 @@ def _plan(policy: str, trace: Trace, hardware: Hardware, options: PolicyOptions,
         what = f"with {len(steps)} parameters host-stepped on {tier} (optimizer state off the device, gradients sent as produced), a {bucket}-byte gradient bucket held in backward"
         if checkpointing:
             what += f" and {len(recomputes)} blocks recomputed"
-        raise no_fit(policy, trace, hardware, options.budget_bytes, what, curve)
+        raise no_fit(policy, trace, hardware, options.budget_bytes, what, curve, host_optimizer=True)
     meta["planned_peak_bytes"] = peak
     return Plan(policy=policy, budget_bytes=options.budget_bytes, meta=meta, recomputes=recomputes, host_steps=steps)
 
