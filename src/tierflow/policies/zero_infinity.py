@@ -34,7 +34,8 @@ call's last op ends. Every parameter the optimizer updates gets a
 :class:`~tierflow.plan.HostStep` on the optimizer's tier. The bucket buffer is charged
 against the budget over the whole iteration. Plan-contract caveats: an eviction is a
 copy in the simulator, where DeepSpeed's release only frees (its host copy is current);
-gradients leave the device per tensor, not per bucket.
+gradients leave the device per tensor, not per bucket; each update starts as its
+gradient lands, where DeepSpeed's ``step()`` runs after backward ends.
 
 The walk does not look at the budget (DeepSpeed does not); when its device curve
 exceeds it, or host (or SSD) memory cannot hold what it offloads, the policy raises

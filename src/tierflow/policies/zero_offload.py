@@ -30,8 +30,10 @@ gradient when its last write ends: bucketing cannot be expressed in a plan, so t
 gradients leave the device per tensor, at least as early as DeepSpeed's (a bucket is
 sent when it fills); the bucket buffer itself is charged against the budget over the
 backward ops (``reduce_bucket_size`` elements at the trace's element size, twice with
-``overlap_comm``), so a plan this policy returns leaves DeepSpeed room for it. The
-update timing (DeepSpeed steps only after backward ends) is the simulator's to model.
+``overlap_comm``), so a plan this policy returns leaves DeepSpeed room for it. Nor can
+a plan say when the update may start: the simulator starts each parameter's update as
+its gradient lands, overlapping backward, where DeepSpeed's ``step()`` runs CPU Adam
+after backward ends, so a simulated step is optimistic by up to the backward time.
 
 ``zero_offload+checkpoint`` adds the ``checkpoint`` peer's recomputation (one
 :class:`~tierflow.plan.Recompute` per block, :mod:`tierflow.policies._recompute`), as
