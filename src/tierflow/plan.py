@@ -112,26 +112,25 @@ class HostStep:
     :class:`tierflow.hardware.HostCompute`) once the gradient has arrived; the updated
     parameter is copied back to the device before its next use.
 
-    The ``ops`` no longer run on the device, so their uses do not count there: a tensor
-    they alone use (a temporary of the update) is not on the device, and a plan may keep
-    the parameter away from the device through them. When the plan's moves have the
-    parameter away while the update runs (ZeRO-3 evicts every parameter after its last
-    backward use), the update writes the copy on the host and the plan's own prefetch
-    brings it back: no extra copy. A ``foreach``/fused op that updates several
-    host-stepped parameters is listed in each of their host steps (it is one op: it
-    leaves the device once).
+    Clarified (what :func:`validate` checks and the simulator does): "the last backward
+    op that writes it" is the gradient's last use by an op that is not host-stepped,
+    which must be a backward op, as every such use must be; the parameter has no device
+    use after it. ``tier`` holds the optimizer state, a gradient buffer and the
+    parameter's master copy for the whole run. A parameter the plan's moves keep off the
+    device when its update ends gets no copy back: the update lands in its off-device
+    copy, and its prefetch (or fault) waits for the update. Only planned plans host-step.
+    A ``foreach``/fused op that updates several host-stepped parameters is listed in
+    each of their host steps (it is one op: it leaves the device once).
 
     Attributes:
         param: the parameter's tensor id.
         grad: its gradient's tensor id.
         state: its optimizer-state tensor ids.
         ops: the trace's optimizer ops for this parameter, which no longer run on the
-            device: every optimizer op that touches its parameter, gradient or state,
-            and the ops of its update that touch none of them but only temporaries of
-            the update (PyTorch's single-tensor Adam computes ``sqrt``, ``div``, ``add_``
-            on temporaries between its reads of the moments) or no tensor at all (a
-            step counter kept on the CPU). A ``foreach``/fused op shared by several
-            parameters is host-stepped only if all of them are.
+            device (a ``foreach``/fused op shared by several parameters is host-stepped
+            only if all of them are); also ops of its update that touch only
+            temporaries (``a = sqrt(v); b = a + eps``), which must run on the host too,
+            and its tensor-less ops (a step counter kept on the CPU).
         tier: where gradient, state and the updated parameter live on the host.
     """
 
@@ -375,17 +374,18 @@ def _check_host_steps(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> N
                 raise PlanError(f"{where}: field 'ops' names op {o}, outside 0..{n_ops - 1}")
             if ops[o].phase != "optimizer":
                 raise PlanError(f"{where}: field 'ops': op {o} ({ops[o].name}) is a {ops[o].phase} op, not an optimizer op")
-        # its ops include every optimizer op that touches its parameter, gradient or
-        # state; any other op of its update may touch only temporaries of the update
-        # (checked below, once every host step's ops are known)
+        # its ops are the optimizer ops that touch its parameter, gradient or state, and
+        # any that touch only the update's temporaries (checked below)
         mine = {h.param, h.grad, *h.state}
         touching = {int(o) for t in mine for o in trace.uses(t).tolist() if ops[int(o)].phase == "optimizer"}
         missing = sorted(touching - set(h.ops))
         if missing:
-            raise PlanError(
-                f"{where}: field 'ops' must include every optimizer op touching its tensors: "
-                f"op {missing[0]} ({ops[missing[0]].name}) is missing"
-            )
+            raise PlanError(f"{where}: field 'ops' must hold every optimizer op touching its tensors: "
+                            f"op {missing[0]} ({ops[missing[0]].name}) is missing")
+        for o in set(h.ops) - touching:
+            if any(trace.tensors[t].persistent for t in trace.op_tensors[o]):
+                raise PlanError(f"{where}: field 'ops': op {o} ({ops[o].name}) touches none of its tensors, "
+                                f"and not only temporaries either")
     host_ops = host_step_ops(plan)
     lev.host_ops = host_ops
     # a host-stepped op touches only covered tensors and temporaries of the host step
@@ -395,11 +395,20 @@ def _check_host_steps(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> N
             if t in owner:
                 continue
             info = tensors[t]
-            if info.persistent or not set(trace.uses(t).tolist()) <= host_ops:
+            if info.persistent:
                 raise PlanError(
                     f"plan {plan.policy}: host-stepped op {o} ({ops[o].name}) touches tensor {t} "
                     f"({info.name or info.kind}), which no host step covers: a shared optimizer op is "
                     f"host-stepped only if all of its parameters are"
+                )
+            elsewhere = [u for u in trace.uses(t).tolist() if u not in host_ops]
+            if elsewhere:
+                u = elsewhere[0]
+                raise PlanError(
+                    f"plan {plan.policy}: host-stepped op {o} ({ops[o].name}) touches tensor {t} "
+                    f"({info.name or info.kind}), which op {u} ({ops[u].name}) also uses on the device: "
+                    f"a temporary of the host's update must be used by host-stepped ops only (a shared "
+                    f"optimizer op is host-stepped only if all of its parameters are)"
                 )
             lev.off_device.add(t)  # a temporary of the host's update
     for i, h in enumerate(plan.host_steps):
@@ -574,8 +583,41 @@ class Residency:
 def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
     """Check a plan against its trace and hardware and return its planned residency.
 
+    Recomputes (only in planned plans) are checked so:
+
+    * each chain op runs before ``before_op`` and is a forward op, ``pure`` unless the
+      plan says it re-runs impure ops (a true ``meta["impure_reruns"]``), and draws no
+      random numbers unless ``restore_rng``;
+    * the chain *makes* the tensors born at its ops (an output born elsewhere, such as an
+      in-place update's, is written where it is); each kept tensor is non-persistent, not
+      host-stepped, made by the chain, born before ``before_op`` and used at or after it,
+      named once per chain; a tensor recomputed twice is used between the two;
+    * every other tensor a chain op reads or writes is persistent or born before
+      ``before_op``, is not kept off the device by a host step, and is not dropped at
+      that point (by a later recompute, or by one before the same op later in the list):
+      the walk treats it as used at ``before_op``, so it must be on the device there per
+      the moves, and its life is held until then;
+    * no move of a recomputed tensor is issued from its drop to its re-creation.
+
+    Host steps are checked as the docstring of :class:`HostStep` says, and: each one's
+    ``ops`` hold every optimizer op touching its parameter, gradient or state, and
+    otherwise only optimizer ops that touch nothing persistent (the update's arithmetic
+    on temporaries); every tensor a host-stepped op touches is covered by some host
+    step or is a temporary only host-stepped ops use (a shared op is host-stepped only
+    if all of its parameters are); no tensor is covered twice; no move of a gradient or
+    state.
+
+    The residency (bytes per tier during each op) then counts: a recomputed tensor as
+    absent from the op after its drop to the op before its chain; each chain's peak
+    (what the device holds before the op, less the op's own births, plus what the
+    chains before it kept, plus everything the chain makes) against the budget; a
+    host-stepped gradient on the device from its birth through its last backward op;
+    the host tier's state, gradient buffers and master copies for the whole iteration;
+    host-only temporaries nowhere.
+
     Raises:
-        PlanError: naming the move (index, tensor, op) or the op and tier at fault.
+        PlanError: naming the move, recompute or host step (index, tensor, op, field),
+            or the op and tier at fault.
     """
     n_ops, n_t = trace.n_ops, trace.n_tensors
     tiers = {t.name for t in hardware.tiers}
@@ -619,6 +661,10 @@ def levers(plan: Plan, trace: Trace, hardware: Hardware) -> _Levers:
         _check_host_steps(plan, trace, hardware, lev)
     if plan.recomputes:
         _check_recomputes(plan, trace, lev)
+        for i, r in enumerate(plan.recomputes):
+            if r.before_op in lev.host_ops:
+                raise PlanError(f"plan {plan.policy}: recompute {i}: field 'before_op' is op {r.before_op}, "
+                                f"which a host step runs on the host")
         per_tensor: dict[int, list[tuple[int, Move]]] = {}
         for i, m in enumerate(plan.moves):
             per_tensor.setdefault(m.tensor, []).append((i, m))
