@@ -212,9 +212,8 @@ def test_blocks_from_a_pattern(tiny):
 
 
 def test_without_scopes_sqrt_n_segments():
-    scoped = gpt_trace(load_hardware("rtx4090-24g"), layers=8, d_model=256, batch=2, seq=128)
-    # (gpt_trace has scopes since the capture branch: strip them, as in an imported trace)
-    trace = Trace([dataclasses.replace(o, scope=None) for o in scoped.ops], scoped.tensors, scoped.name, scoped.meta)
+    trace = gpt_trace(load_hardware("rtx4090-24g"), layers=8, d_model=256, batch=2, seq=128)
+    trace = dataclasses.replace(trace, ops=tuple(dataclasses.replace(o, scope=None) for o in trace.ops))
     n = sum(o.phase == "forward" for o in trace.ops)
     blocks = find_blocks(trace)
     k = round(math.sqrt(n))

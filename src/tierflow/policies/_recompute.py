@@ -52,9 +52,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import PolicyError
-from ..plan import Recompute
+from ..hardware import Hardware
+from ..plan import Plan, Recompute
 from ..trace import Trace
+from ._common import no_fit
 
+IMPURE = ("rerun", "keep")  # what a chain does with an op that is not pure
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 _DIGITS = re.compile(r"\d+")  # op names that carry a layer index (h3.qkv) compare equal
 
@@ -357,3 +360,81 @@ def planned_device_bytes(trace: Trace, recomputes: tuple[Recompute, ...]) -> np.
 def recompute_seconds(trace: Trace, recomputes: tuple[Recompute, ...]) -> float:
     """Compute time the chains add to the iteration."""
     return float(sum(trace.ops[i].duration_s for r in recomputes for i in r.ops))
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+
+def check_impure(policy: str, value: str) -> str:
+    """The ``impure`` option: ``rerun`` (as PyTorch does) or ``keep``.
+
+    Raises:
+        PolicyError: another value.
+    """
+    if value not in IMPURE:
+        raise PolicyError(f"{policy}: impure {value!r} is not one of {', '.join(IMPURE)}")
+    return value
+
+
+def keep_impure(trace: Trace, recomputes: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
+    """Re-run only pure ops: what an impure op makes stays on the device (an op of the
+    chain that reads it reads the kept tensor)."""
+    out = []
+    for r in recomputes:
+        kept = {t for i in r.ops if not trace.ops[i].pure for t in trace.ops[i].outputs}
+        tensors = tuple(t for t in r.tensors if t not in kept)
+        if tensors:
+            ops = tuple(i for i in r.ops if trace.ops[i].pure)
+            out.append(Recompute(tensors, ops, r.before_op, r.restore_rng))
+    return tuple(out)
+
+
+def unchanged_plan(policy: str, budget: float, blocks: Blocks) -> Plan:
+    """The plan of a trace that fits as it is: nothing checkpointed."""
+    return Plan(policy=policy, budget_bytes=budget,
+                meta={"blocks": len(blocks.blocks), "blocks_from": blocks.found_by, "recomputes": 0,
+                      "note": "fits without checkpointing"})
+
+
+def recompute_plan(
+    policy: str,
+    trace: Trace,
+    hardware: Hardware,
+    budget: float,
+    blocks: Blocks,
+    recomputes: tuple[Recompute, ...],
+    impure: str,
+    meta: dict | None = None,
+) -> Plan:
+    """The plan of ``recomputes`` if it meets ``budget``.
+
+    With ``impure="keep"`` only pure ops are re-run (:func:`keep_impure`); the plan
+    records how many impure ops it re-runs (``meta["impure_reruns"]``, which is what
+    lets the validator accept them).
+
+    Raises:
+        PlanError: the plan exceeds the budget (with the bytes).
+    """
+    if impure == "keep":
+        recomputes = keep_impure(trace, recomputes)
+    curve = planned_device_bytes(trace, recomputes)
+    peak = int(curve.max()) if len(curve) else 0
+    dropped = int(sum(int(trace.sizes[t]) for r in recomputes for t in r.tensors))
+    if peak > budget:
+        raise no_fit(
+            policy, trace, hardware, budget,
+            f"with {len(recomputes)} of {len(blocks.blocks)} blocks ({blocks.found_by}) recomputed, "
+            f"{dropped} bytes dropped", curve,
+        )
+    info = {
+        "blocks": len(blocks.blocks),
+        "blocks_from": blocks.found_by,
+        "recomputes": len(recomputes),
+        "recomputed_bytes": dropped,
+        "recompute_s": recompute_seconds(trace, recomputes),
+        "planned_peak_bytes": peak,
+        "impure": impure,
+        "impure_reruns": sum(1 for r in recomputes for i in r.ops if not trace.ops[i].pure),
+    }
+    info.update(meta or {})
+    return Plan(policy=policy, budget_bytes=budget, meta=info, recomputes=recomputes)

@@ -46,21 +46,11 @@ Options:
 
 from __future__ import annotations
 
-from ..errors import PolicyError
 from ..hardware import Hardware
-from ..plan import Plan, Recompute
+from ..plan import Plan
 from ..trace import Trace
 from . import PolicyOption, PolicyOptions, register
-from ._common import no_fit
-from ._recompute import (
-    Blocks,
-    block_recomputes,
-    find_blocks,
-    planned_device_bytes,
-    recompute_seconds,
-)
-
-IMPURE = ("rerun", "keep")
+from ._recompute import IMPURE, block_recomputes, check_impure, find_blocks, recompute_plan, unchanged_plan
 
 OPTIONS = (
     PolicyOption("pattern", str, "", "regex the block scopes match in full (default: the repeated level of the scopes)"),
@@ -69,81 +59,6 @@ OPTIONS = (
     PolicyOption("impure", str, "rerun", "ops with side effects (BatchNorm): re-run them as PyTorch does, or keep what they make", IMPURE),
     PolicyOption("always", bool, False, "checkpoint even when the trace fits the budget without it"),
 )
-
-
-def recompute_plan(
-    policy: str,
-    trace: Trace,
-    hardware: Hardware,
-    options: PolicyOptions,
-    blocks: Blocks,
-    recomputes: tuple[Recompute, ...],
-    meta: dict,
-) -> Plan:
-    """The plan of ``recomputes`` if it meets the budget, else :class:`PlanError`.
-    Applies the ``impure`` option (``keep``: re-run only pure ops) and records how many
-    impure ops the plan re-runs (``meta["impure_reruns"]``, which lets the validator
-    accept them).
-
-    Raises:
-        PolicyError: an unknown ``impure``.
-        PlanError: the plan exceeds the budget (with the bytes).
-    """
-    impure = impure_option(policy, options)
-    if impure == "keep":
-        recomputes = _keep_impure(trace, recomputes)
-    reruns = sum(1 for r in recomputes for i in r.ops if not trace.ops[i].pure)
-    curve = planned_device_bytes(trace, recomputes)
-    peak = int(curve.max()) if len(curve) else 0
-    dropped = int(sum(int(trace.sizes[t]) for r in recomputes for t in r.tensors))
-    if peak > options.budget_bytes:
-        raise no_fit(
-            policy, trace, hardware, options.budget_bytes,
-            f"with {len(recomputes)} of {len(blocks.blocks)} blocks ({blocks.found_by}) recomputed, "
-            f"{dropped} bytes dropped", curve,
-        )
-    info = {
-        "blocks": len(blocks.blocks),
-        "blocks_from": blocks.found_by,
-        "recomputes": len(recomputes),
-        "recomputed_bytes": dropped,
-        "recompute_s": recompute_seconds(trace, recomputes),
-        "planned_peak_bytes": peak,
-        "impure": impure,
-        "impure_reruns": reruns,
-    }
-    info.update(meta)
-    return Plan(policy=policy, budget_bytes=options.budget_bytes, meta=info, recomputes=recomputes)
-
-
-def impure_option(policy: str, options: PolicyOptions) -> str:
-    """The ``impure`` option, checked.
-
-    Raises:
-        PolicyError: it is not one of :data:`IMPURE`.
-    """
-    impure = str(options.get("impure", "rerun"))
-    if impure not in IMPURE:
-        raise PolicyError(f"{policy}: impure {impure!r} is not one of {', '.join(IMPURE)}")
-    return impure
-
-
-def fits_as_is(trace: Trace, options: PolicyOptions) -> bool:
-    return trace.peak_live_bytes <= options.budget_bytes and not bool(options.get("always", False))
-
-
-def _keep_impure(trace: Trace, recomputes: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
-    """Re-run only pure ops: what an impure op makes stays on the device (an op of the
-    chain that reads it reads the kept tensor)."""
-    out = []
-    for r in recomputes:
-        impure = [i for i in r.ops if not trace.ops[i].pure]
-        kept = {t for i in impure for t in trace.ops[i].outputs}
-        tensors = tuple(t for t in r.tensors if t not in kept)
-        if tensors:
-            ops = tuple(i for i in r.ops if trace.ops[i].pure)
-            out.append(Recompute(tensors, ops, r.before_op, r.restore_rng))
-    return tuple(out)
 
 
 @register("checkpoint", options=OPTIONS)
@@ -163,11 +78,9 @@ def checkpoint(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan
     Example:
         >>> make_plan("checkpoint", trace, hw, budget="12GiB")  # doctest: +SKIP
     """
-    impure_option("checkpoint", options)
+    impure = check_impure("checkpoint", str(options.get("impure", "rerun")))
     blocks = find_blocks(trace, str(options.get("pattern", "")), int(options.get("segments", 0)))
-    if fits_as_is(trace, options):
-        return Plan(policy="checkpoint", budget_bytes=options.budget_bytes,
-                    meta={"blocks": len(blocks.blocks), "blocks_from": blocks.found_by, "recomputes": 0,
-                          "note": "fits without checkpointing"})
+    if trace.peak_live_bytes <= options.budget_bytes and not bool(options.get("always", False)):
+        return unchanged_plan("checkpoint", options.budget_bytes, blocks)
     recomputes = block_recomputes(trace, blocks, early_stop=bool(options.get("early_stop", True)))
-    return recompute_plan("checkpoint", trace, hardware, options, blocks, recomputes, {})
+    return recompute_plan("checkpoint", trace, hardware, options.budget_bytes, blocks, recomputes, impure)

@@ -124,7 +124,7 @@ def offload_activations(trace: Trace, hardware: Hardware, options: PolicyOptions
     head = tuple(h for h in str(options.get("head", "output,lm_head")).split(",") if h)
     gaps, stashed = offloaded_gaps(trace, min_bytes, stash if streams else 0, head)
     return offload_at_use(
-        "offload_activations", trace, hardware, options, gaps,
+        "offload_activations", trace, hardware, options.budget_bytes, bool(options.get("always", False)), gaps,
         fetch_lead=run_ahead if streams else 0,
         meta={"use_streams": streams, "stashed": stashed, "run_ahead": run_ahead if streams else 0},
         pack_on_compute=not streams,

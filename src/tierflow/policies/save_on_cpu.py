@@ -60,7 +60,8 @@ def offload_at_use(
     policy: str,
     trace: Trace,
     hardware: Hardware,
-    options: PolicyOptions,
+    budget: float,
+    always: bool,
     gaps: list[Gap],
     fetch_lead: int,
     meta: dict,
@@ -75,10 +76,10 @@ def offload_at_use(
         PlanError: the plan exceeds the budget or host memory (with the bytes).
     """
     tier = pick_tier(hardware, ("host",))
-    if trace.peak_live_bytes <= options.budget_bytes and not bool(options.get("always", False)):
-        return Plan(policy=policy, budget_bytes=options.budget_bytes,
+    if trace.peak_live_bytes <= budget and not always:
+        return Plan(policy=policy, budget_bytes=budget,
                     meta={"offloads": 0, "tier": tier, "note": "fits without offloading", **meta})
-    p = Planner(trace, hardware, options.budget_bytes)
+    p = Planner(trace, hardware, budget)
     for g in gaps:
         p.take(g, tier, prefetch_after=max(g.after_op + 1, g.before_op - 1 - fetch_lead))
     if not p.fits():
@@ -104,5 +105,6 @@ def save_on_cpu(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Pla
         >>> make_plan("save_on_cpu", trace, hw, budget="12GiB")  # doctest: +SKIP
     """
     gaps = forward_to_backward_gaps(trace)
-    return offload_at_use("save_on_cpu", trace, hardware, options, gaps, fetch_lead=0,
+    return offload_at_use("save_on_cpu", trace, hardware, options.budget_bytes, bool(options.get("always", False)),
+                          gaps, fetch_lead=0,
                           meta={"pin_memory": True}, pack_on_compute=True)

@@ -53,8 +53,15 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
 from . import PolicyOption, PolicyOptions, register
-from ._recompute import Blocks, block_recomputes, find_blocks
-from .checkpoint import IMPURE, fits_as_is, impure_option, recompute_plan
+from ._recompute import (
+    IMPURE,
+    Blocks,
+    block_recomputes,
+    check_impure,
+    find_blocks,
+    recompute_plan,
+    unchanged_plan,
+)
 
 # torchtitan's save set (see the module docstring), by aten name without namespace
 SAVE_OPS = frozenset({
@@ -126,15 +133,13 @@ def selective(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     Example:
         >>> make_plan("selective", trace, hw, budget="16GiB")  # doctest: +SKIP
     """
-    impure_option("selective", options)
+    impure = check_impure("selective", str(options.get("impure", "rerun")))
     blocks = find_blocks(trace, str(options.get("pattern", "")), int(options.get("segments", 0)))
-    if fits_as_is(trace, options):
-        return Plan(policy="selective", budget_bytes=options.budget_bytes,
-                    meta={"blocks": len(blocks.blocks), "blocks_from": blocks.found_by, "recomputes": 0,
-                          "note": "fits without checkpointing"})
+    if trace.peak_live_bytes <= options.budget_bytes and not bool(options.get("always", False)):
+        return unchanged_plan("selective", options.budget_bytes, blocks)
     force = tuple(f for f in str(options.get("force_recompute", "moe.router.gate")).split(",") if f)
     keep = saved_ops(trace, blocks, force)
     recomputes = block_recomputes(trace, blocks, saved_ops=keep, early_stop=False)
-    return recompute_plan("selective", trace, hardware, options, blocks, recomputes,
+    return recompute_plan("selective", trace, hardware, options.budget_bytes, blocks, recomputes, impure,
                           {"saved_ops": len(keep),
                            "saved_bytes": int(sum(int(trace.sizes[t]) for i in keep for t in trace.ops[i].outputs))})
