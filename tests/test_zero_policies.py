@@ -463,3 +463,11 @@ def test_budget_floor_is_the_forward_and_backward_working_set(gpt, hw):
         make_plan("myelin", gpt, hw, budget=peak)  # a device optimizer cannot go there
     with pytest.raises(PlanError, match=rf"minimum working set is {fwd_bwd} bytes \(op {op2}\)"):
         make_plan("zero_offload", gpt, hw, budget=peak - 1, **SMALL_BUCKET)
+
+
+def test_zero_offload_with_checkpoint_checks_its_checkpoint_options(flat, hw):
+    with pytest.raises(PolicyError, match="impure 'skip' is not one of rerun, keep"):
+        make_plan("zero_offload+checkpoint", flat, hw, always=True, impure="skip", **SMALL_BUCKET)
+    few = make_plan("zero_offload+checkpoint", flat, hw, always=True, segments=3, **SMALL_BUCKET)
+    assert few.recomputes == make_plan("checkpoint", flat, hw, always=True, segments=3).recomputes
+    assert few.recomputes != make_plan("zero_offload+checkpoint", flat, hw, always=True, **SMALL_BUCKET).recomputes

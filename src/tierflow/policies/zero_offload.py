@@ -65,7 +65,6 @@ from ..trace import Trace
 from . import PolicyOption, PolicyOptions, register
 from ._common import no_fit, phase_start, pick_tier
 from ._zero import check_host_room, element_bytes, host_step_delta, host_steps, param_updates
-from .checkpoint import IMPURE
 from .checkpoint import OPTIONS as CHECKPOINT_OPTIONS
 
 #: DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements).
@@ -140,12 +139,16 @@ def _with_checkpoint(
 ) -> tuple[np.ndarray, tuple[Recompute, ...], dict]:
     """The checkpoint peer's recomputes on top of ZeRO-Offload (only where ZeRO-Offload
     alone is over the budget, unless ``always``)."""
-    from ._recompute import block_recomputes, find_blocks, planned_device_bytes, recompute_seconds
-    from .checkpoint import _keep_impure
+    from ._recompute import (
+        block_recomputes,
+        check_impure,
+        find_blocks,
+        keep_impure,
+        planned_device_bytes,
+        recompute_seconds,
+    )
 
-    impure = str(options.get("impure", "rerun"))
-    if impure not in IMPURE:
-        raise PolicyError(f"zero_offload+checkpoint: impure {impure!r} is not one of {', '.join(IMPURE)}")
+    impure = check_impure("zero_offload+checkpoint", str(options.get("impure", "rerun")))
     blocks = find_blocks(trace, str(options.get("pattern", "")), int(options.get("segments", 0)))
     info: dict = {"blocks": len(blocks.blocks), "blocks_from": blocks.found_by}
     if int(base.max()) <= options.budget_bytes and not bool(options.get("always", False)):
@@ -153,7 +156,7 @@ def _with_checkpoint(
         return base, (), info
     recomputes = block_recomputes(trace, blocks, early_stop=bool(options.get("early_stop", True)))
     if impure == "keep":
-        recomputes = _keep_impure(trace, recomputes)
+        recomputes = keep_impure(trace, recomputes)
     # the recompute curve and the host steps change disjoint tensors (forward
     # activations; gradients, optimizer state and the update's temporaries): add them
     curve = planned_device_bytes(trace, recomputes) + extra
