@@ -275,8 +275,11 @@ def test_host_steps_take_optimizer_ops_off_the_stream():
         assert b.start_s >= a.end_s - 1e-12
     kinds = {t.kind for t in res.transfers}
     assert {"host_grad", "host_param"} <= kinds
-    # the state never reaches the device
+    # the state never reaches the device; the host holds state, gradient buffers and
+    # master copies, as the validator counts them
     assert res.peak_bytes["gpu"] <= tr.peak_live_bytes - sum(int(tr.sizes[h.state[0]]) for h in steps)
+    planned = validate(_plan(tr, hw, host_steps=steps), tr, hw).tier_bytes["host"]
+    assert res.peak_bytes["host"] == planned.max() == planned.min()
 
 
 def test_a_parameter_use_waits_for_its_update():
