@@ -529,3 +529,14 @@ def test_validator_and_simulator_agree_with_the_contract_on_device_bytes(tr):
     ops_peak, chain_peak = _brute_force_peak(tr, chosen)
     assert int(validate(plan, tr, hw).tier_bytes["gpu"].max()) == ops_peak
     assert simulate(tr, hw, plan).peak_bytes["gpu"] == max(ops_peak, chain_peak)
+
+
+def test_the_html_report_names_recompute_and_host_work():
+    from tierflow.report import build_report
+
+    tr, hw = small()
+    plain = simulate(tr, hw, _plan(tr, hw))
+    levers = simulate(tr, hw, dataclasses.replace(_plan(tr, hw, recompute_candidates(tr)[:1], host_steps_of(tr)),
+                                                  policy="levers"))
+    page = build_report(tr, hw, [plain, levers])
+    assert "optimizer on the host" in page and "ops re-run" in page
