@@ -295,7 +295,7 @@ def test_a_parameter_use_waits_for_its_update():
 
 def test_host_steps_need_a_host_compute_model():
     tr, _ = small()
-    hw = simple_hw()
+    hw = dataclasses.replace(simple_hw(), host_compute=None)
     with pytest.raises(SimulationError, match="no host compute model"):
         simulate(tr, hw, _plan(tr, hw, host_steps=host_steps_of(tr)))
 
@@ -431,13 +431,17 @@ def test_cli_simulates_a_lever_plan_file(tmp_path, capsys):
     from tierflow.hardware import load_hardware
 
     tr, _ = small()
-    hw = load_hardware("rtx4090-24g")  # (no host compute model in the presets yet)
+    hw = load_hardware("rtx4090-24g")
     tpath = tr.save(tmp_path / "t.json")
-    rc = _plan(tr, hw, recompute_candidates(tr)[:1]).save(tmp_path / "rc.json")
-    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(rc)]) == 0
-    assert "recompute" in capsys.readouterr().out
-    hs = _plan(tr, hw, host_steps=host_steps_of(tr)).save(tmp_path / "hs.json")
-    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(hs)]) == 2
+    both = _plan(tr, hw, recompute_candidates(tr)[:1], host_steps_of(tr)).save(tmp_path / "both.json")
+    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(both)]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out and "host steps" in out
+    # a machine without a host compute model: one line, exit 2
+    toml = hw.to_toml().split("[host_compute]")[0]
+    lines = toml.splitlines()
+    (tmp_path / "nohost.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert main(["simulate", str(tpath), "--hardware", str(tmp_path / "nohost.toml"), "--plan-file", str(both)]) == 2
     assert "no host compute model" in capsys.readouterr().err
 
 
