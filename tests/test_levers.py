@@ -544,3 +544,25 @@ def test_the_html_report_names_recompute_and_host_work():
                                                   policy="levers"))
     page = build_report(tr, hw, [plain, levers])
     assert "optimizer on the host" in page and "ops re-run" in page
+
+
+def test_an_away_parameter_is_fetched_after_its_update_with_no_copy_back():
+    from tierflow import Move
+
+    tr, hw = small()
+    steps = host_steps_of(tr)
+    w0 = _tensor(tr, "w0")
+    last_bwd, first_fwd = _op(tr, "bwd0"), _op(tr, "lin0")
+    # w0 leaves after its last backward use and is prefetched (for the next iteration's
+    # first forward) right away: the prefetch must wait for w0's host update
+    moves = [Move("evict", w0, last_bwd, "host"), Move("prefetch", w0, last_bwd + 1, "host", first_fwd)]
+    plan = _plan(tr, hw, host_steps=steps, moves=moves)
+    validate(plan, tr, hw)
+    res = simulate(tr, hw, plan)
+    assert res.error is None
+    (update,) = [h for h in res.host_steps if h.param == w0]
+    # (here the first forward op is already waiting when the update ends: the deferred
+    # prefetch becomes a fault, as any prefetch still deferred when its op needs it)
+    fetches = [t for t in res.transfers if t.tensor == w0 and t.kind in ("prefetch", "fault")]
+    assert fetches and all(t.start_s >= update.end_s - 1e-12 for t in fetches)
+    assert not [t for t in res.transfers if t.tensor == w0 and t.kind == "host_param"]
