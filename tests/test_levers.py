@@ -275,8 +275,11 @@ def test_host_steps_take_optimizer_ops_off_the_stream():
         assert b.start_s >= a.end_s - 1e-12
     kinds = {t.kind for t in res.transfers}
     assert {"host_grad", "host_param"} <= kinds
-    # the state never reaches the device
+    # the state never reaches the device; the host holds state, gradient buffers and
+    # master copies, as the validator counts them
     assert res.peak_bytes["gpu"] <= tr.peak_live_bytes - sum(int(tr.sizes[h.state[0]]) for h in steps)
+    planned = validate(_plan(tr, hw, host_steps=steps), tr, hw).tier_bytes["host"]
+    assert res.peak_bytes["host"] == planned.max() == planned.min()
 
 
 def test_a_parameter_use_waits_for_its_update():
@@ -430,12 +433,16 @@ def test_cli_simulates_a_lever_plan_file(tmp_path, capsys):
     tr, _ = small()
     hw = load_hardware("rtx4090-24g")
     tpath = tr.save(tmp_path / "t.json")
-    rc = _plan(tr, hw, recompute_candidates(tr)[:1]).save(tmp_path / "rc.json")
-    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(rc)]) == 0
-    assert "recompute" in capsys.readouterr().out
-    hs = _plan(tr, hw, host_steps=host_steps_of(tr)).save(tmp_path / "hs.json")
-    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(hs)]) == 0
-    assert "host" in capsys.readouterr().out
+    both = _plan(tr, hw, recompute_candidates(tr)[:1], host_steps_of(tr)).save(tmp_path / "both.json")
+    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(both)]) == 0
+    out = capsys.readouterr().out
+    assert "recompute" in out and "host steps" in out
+    # a machine without a host compute model: one line, exit 2
+    toml = hw.to_toml().split("[host_compute]")[0]
+    lines = toml.splitlines()
+    (tmp_path / "nohost.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert main(["simulate", str(tpath), "--hardware", str(tmp_path / "nohost.toml"), "--plan-file", str(both)]) == 2
+    assert "no host compute model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", policy_names())
@@ -526,3 +533,36 @@ def test_validator_and_simulator_agree_with_the_contract_on_device_bytes(tr):
     ops_peak, chain_peak = _brute_force_peak(tr, chosen)
     assert int(validate(plan, tr, hw).tier_bytes["gpu"].max()) == ops_peak
     assert simulate(tr, hw, plan).peak_bytes["gpu"] == max(ops_peak, chain_peak)
+
+
+def test_the_html_report_names_recompute_and_host_work():
+    from tierflow.report import build_report
+
+    tr, hw = small()
+    plain = simulate(tr, hw, _plan(tr, hw))
+    levers = simulate(tr, hw, dataclasses.replace(_plan(tr, hw, recompute_candidates(tr)[:1], host_steps_of(tr)),
+                                                  policy="levers"))
+    page = build_report(tr, hw, [plain, levers])
+    assert "optimizer on the host" in page and "ops re-run" in page
+
+
+def test_an_away_parameter_is_fetched_after_its_update_with_no_copy_back():
+    from tierflow import Move
+
+    tr, hw = small()
+    steps = host_steps_of(tr)
+    w0 = _tensor(tr, "w0")
+    last_bwd, first_fwd = _op(tr, "bwd0"), _op(tr, "lin0")
+    # w0 leaves after its last backward use and is prefetched (for the next iteration's
+    # first forward) right away: the prefetch must wait for w0's host update
+    moves = [Move("evict", w0, last_bwd, "host"), Move("prefetch", w0, last_bwd + 1, "host", first_fwd)]
+    plan = _plan(tr, hw, host_steps=steps, moves=moves)
+    validate(plan, tr, hw)
+    res = simulate(tr, hw, plan)
+    assert res.error is None
+    (update,) = [h for h in res.host_steps if h.param == w0]
+    # (here the first forward op is already waiting when the update ends: the deferred
+    # prefetch becomes a fault, as any prefetch still deferred when its op needs it)
+    fetches = [t for t in res.transfers if t.tensor == w0 and t.kind in ("prefetch", "fault")]
+    assert fetches and all(t.start_s >= update.end_s - 1e-12 for t in fetches)
+    assert not [t for t in res.transfers if t.tensor == w0 and t.kind == "host_param"]

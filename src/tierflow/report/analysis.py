@@ -112,7 +112,9 @@ def transfer_intervals(result: Any, t0: float, t1: float, link: str | None = Non
 
 def stall_intervals(result: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, ends)`` of the compute stream's waits: op ``i`` waited
-    ``op_stall_s[i]`` seconds right before it started."""
+    ``op_stall_s[i]`` seconds right before it started. (Where recompute chains ran
+    before the op, part of that wait may have come before or between the chains' ops:
+    it is drawn just before the op all the same.)"""
     start = np.asarray(result.op_start_s, dtype=np.float64)
     stall = np.asarray(result.op_stall_s, dtype=np.float64)
     hit = stall > 0

@@ -317,7 +317,7 @@ def comparison_figure(hardware: Any, results: Sequence[Any], *, measured: dict[s
             continue
         left = 0.0
         for value, color in ((b.alone_s, PHASE_COLORS["backward"]), (b.overlapped_s, OVERLAP_COLOR),
-                             (b.stall_s, STALL_COLOR)):
+                             (getattr(r, "recompute_s", 0.0), RECOMPUTE_COLOR), (b.stall_s, STALL_COLOR)):
             ax.barh(y, value * k, left=left * k, color=color, height=0.6)
             left += value
         note = f" {r.ratio:.2f} of ideal" + ("" if r.fits else f", does not fit in {fmt_bytes(hardware.device_capacity)}")
@@ -338,6 +338,8 @@ def comparison_figure(hardware: Any, results: Sequence[Any], *, measured: dict[s
     handles = [Patch(color=PHASE_COLORS["backward"], label="compute, no transfer in flight"),
                Patch(color=OVERLAP_COLOR, label="compute overlapped with transfers"),
                Patch(color=STALL_COLOR, label="stall (waiting for tensors)")]
+    if any(getattr(r, "recompute_s", 0.0) for r in results):
+        handles.insert(2, Patch(color=RECOMPUTE_COLOR, label="recompute"))
     if measured:
         from matplotlib.lines import Line2D
 

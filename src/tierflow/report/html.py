@@ -340,6 +340,14 @@ def _policy_table(r: Any, m: Any) -> str:
         ["compute overlapped with transfers", _e(fmt_seconds(b.overlapped_s)) if b else "-"],
         ["compute with no transfer in flight", _e(fmt_seconds(b.alone_s)) if b else "-"],
         ["stalls", _e(f"{fmt_seconds(r.stall_s)} over {b.stalled_ops if b else 0} ops")],
+    ]
+    if r.recompute_ops:
+        rows.append(["recompute", _e(f"{fmt_seconds(r.recompute_s)} ({r.recompute_ops} ops re-run)")])
+    if r.host_step_s:
+        rows.append(["optimizer on the host", _e(
+            f"{fmt_seconds(r.host_step_s)} of host compute; {fmt_seconds(r.host_op_s)} off the compute stream; "
+            f"{fmt_bytes(r.host_step_bytes)} copied")])
+    rows += [
         ["some transfer in flight", _e(fmt_seconds(b.transfer_busy_s)) if b else "-"],
     ]
     if b:
