@@ -86,7 +86,7 @@ from ..errors import PlanError
 from ..hardware import Hardware
 from ..plan import Move, Plan
 from ..trace import Trace
-from . import PolicyOptions, register
+from . import PolicyOption, PolicyOptions, register
 from ._tierflow_loop import gains, improve, improve_targeted, score_key, simulate_score
 
 
@@ -507,9 +507,24 @@ def _seeds(trace: Trace, hw: Hardware, options: PolicyOptions, opts: dict, budge
             return
 
 
-@register("tierflow")
+_OPTIONS = (
+    PolicyOption("levers", str, "all", "which levers to plan with: 'move' (moves only, as before the "
+                 "three levers) or 'all' (moves, recompute and host-side optimizer steps)", ("move", "all")),
+    PolicyOption("min_bytes", int, 2**20, "gaps below this size are not moved by the own pass"),
+    PolicyOption("ssd_slack", float, 4.0, "a gap this many times a slow tier's round trip goes there first"),
+    PolicyOption("repair_rounds", int, 48, "at most this many repair simulations"),
+    PolicyOption("work_ops", int, _WORK_OPS, "the closed loop's work budget, in simulated trace ops"),
+    PolicyOption("portfolio", bool, True, "seed from the other planners too"),
+)
+
+
+@register("tierflow", options=_OPTIONS)
 def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """Plan with ``tierflow`` (see the module docstring for the method and options).
+
+    With ``levers="all"`` (the default) the move-only plan below competes with plans
+    that also recompute and host-step (:mod:`._joint`); ``levers="move"`` is the
+    move-only planner alone.
 
     The portfolio and the loop are sized by a work budget in simulated trace ops (option
     ``work_ops``, see ``_WORK_OPS``), not by a clock, so the plan is a pure function of
@@ -525,6 +540,20 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         >>> plan.policy
         'tierflow'
     """
+    levers = (options.extra or {}).get("levers", "all")
+    if levers not in ("move", "all"):
+        from ..errors import PolicyError
+
+        raise PolicyError(f"tierflow: option 'levers' is {levers!r}, expected 'move' or 'all'")
+    if levers == "move":
+        return plan_moves(trace, hardware, options)
+    from ._joint import plan_joint
+
+    return plan_joint(trace, hardware, options)
+
+
+def plan_moves(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
+    """tierflow's move-only planner (steps 1-5 of the module docstring)."""
     from ..plan import validate
 
     t0 = time.perf_counter()

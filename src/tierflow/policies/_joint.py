@@ -1,0 +1,175 @@
+"""``tierflow`` with all three levers: keep, move to any tier, recompute, host step.
+
+How the levers are chosen together (:func:`plan_joint`):
+
+1. **Candidates** (:mod:`._levers`): every activation forward makes and backward reads
+   again that pure forward ops can re-create (its *recompute option*: chain, compute
+   seconds, bytes), and every unit of optimizer work that can run on the host (its
+   *host-step option*: gradient bytes down, parameter bytes up, host bytes processed,
+   device time and optimizer state freed).
+2. **Variants.** Host-step sets (none; every unit, where the hardware says what the host
+   computes and the simulator prices host steps) times a ladder of recompute prices:
+   an option is worth taking where it frees bytes faster, per second of compute, than
+   ``m`` times the fastest link carries them, for ``m`` in ``_LADDER`` (none, 16, 4, 1,
+   any price). For each, :func:`._levers.choose_recomputes` takes options cheapest per
+   byte first where the live curve (what the host steps leave) is still over the
+   budget, so recompute goes only where memory is short and only as far as it is; the
+   movers then carry what is left. Each variant is lowered (:func:`._levers.lower`: the
+   trace as those levers leave it), planned with tierflow's own greedy mover and
+   simulated.
+3. **Closed loop.** The best variant gets the whole move-only pipeline
+   (:func:`.tierflow.plan_moves`: portfolio seeds and the simulator-driven repairs)
+   on its lowered trace, and its plan is mapped back to the original trace's ids
+   with the recompute and host-step records. On traces small enough for the work budget
+   (G10's workloads) the move-only pipeline also runs on the original trace and the
+   faster of the two wins, so the levers never cost a plan that moving alone had.
+
+Scoring. A variant is scored by the simulator on the *lowered* trace, whose re-run
+ops are real ops on the compute stream (their time and their outputs' memory counted
+as the simulator counts any op's); ``LEVERS_SIMULATED`` switches to simulating the
+mapped-back plan itself once the simulator prices ``Recompute`` and ``HostStep``
+records (until then host-step variants are not offered: the lowered trace cannot price
+their link traffic and host time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ..errors import PlanError
+from ..hardware import Hardware
+from ..plan import Plan, validate
+from ..trace import Trace
+from . import PolicyOptions
+from ._levers import Lowered, choose_recomputes, group, host_step_options, lower, recompute_options
+from ._tierflow_loop import gains, simulate_score
+
+# Recompute prices tried, as multiples of the fastest link's bandwidth: an option is
+# taken if it frees bytes at least this many times faster per second of compute than
+# that link moves them (None: no recompute; 0: at any price).
+_LADDER: tuple[float | None, ...] = (None, 16.0, 4.0, 1.0, 0.0)
+
+# Whether the simulator prices Recompute and HostStep records (then plans are scored as
+# mapped back; see the module docstring).
+LEVERS_SIMULATED = False
+
+# Traces the work budget buys this many simulations of also get the move-only pipeline
+# on the original trace (see step 3).
+_BOTH_PIPELINES = 28
+
+
+@dataclasses.dataclass
+class _Variant:
+    label: str
+    lowered: Lowered
+    score: float
+    plan: Plan  # on the lowered trace
+
+
+def _score(lowered: Lowered, hw: Hardware, plan: Plan) -> float:
+    """Simulated step of a plan made on the lowered trace (see the module docstring)."""
+    if LEVERS_SIMULATED:
+        try:
+            return simulate_score(lowered.original, hw, lowered.plan(plan))[0]
+        except PlanError:
+            return float("inf")
+    return simulate_score(lowered.trace, hw, plan)[0]
+
+
+def _over_original(lowered: Lowered, budget: float) -> np.ndarray:
+    """Bytes over the budget per original op, as the lowered trace's live curve has them
+    (0 at ops the levers removed)."""
+    over = np.zeros(lowered.original.n_ops)
+    keep = lowered.op_of >= 0
+    over[lowered.op_of[keep]] = lowered.trace.live_bytes[keep] - budget
+    return over
+
+
+def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Plan | None = None) -> Plan:
+    """tierflow's plan with all levers (see the module docstring).
+
+    Args:
+        trace, hw, options: as for any policy.
+        move_plan: the move-only pipeline's plan for ``trace``, if already made (it
+            competes on traces small enough, see ``_BOTH_PIPELINES``).
+    """
+    from .tierflow import _GRID, Knobs, _build, plan_moves
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    opts = dict(options.extra or {})
+    budget = options.budget_bytes
+    ideal = trace.ideal_s * (1 + 1e-9)
+    per = int(opts.get("work_ops", 70_000)) // max(trace.n_ops, 1)
+    if move_plan is None and per >= _BOTH_PIPELINES:
+        move_plan = plan_moves(trace, hw, options)
+    if move_plan is not None and move_plan.meta.get("predicted_step_s", float("inf")) <= ideal:
+        return move_plan
+    rec_opts = recompute_options(trace)
+    hs_opts = host_step_options(trace, hw) if LEVERS_SIMULATED else []
+    if not rec_opts and not hs_opts:
+        return move_plan if move_plan is not None else plan_moves(trace, hw, options)
+    routes = [hw.route_bandwidth(hw.device, t) for t in hw.offload_tiers]
+    bw = max(routes) if routes else 1.0
+    variants: list[_Variant] = []
+    seen: set[tuple] = set()
+    for hs in ((), tuple(hs_opts)) if hs_opts else ((),):
+        base = lower(trace, (), hs)
+        over = _over_original(base, budget)
+        for mult in _LADDER:
+            if mult is None:
+                chosen = []
+            else:
+                limit = float("inf") if mult == 0 else 1.0 / (mult * bw)
+                chosen = choose_recomputes(trace, rec_opts, over, limit)
+            key = (len(hs), tuple(o.tensor for o in chosen))
+            if key in seen:
+                continue
+            seen.add(key)
+            low = base if not chosen else lower(trace, group(chosen, trace), hs)
+            plan = Plan("tierflow", _build(low.trace, hw, budget, _GRID[0], opts), budget_bytes=budget)
+            try:
+                validate(plan, low.trace, hw)
+            except PlanError:
+                plan = Plan("tierflow", _build(low.trace, hw, budget, Knobs(safe=True), opts), budget_bytes=budget)
+            label = f"host steps {len(hs)}, recompute {'none' if mult is None else ('any' if mult == 0 else f'{mult:g}x')}"
+            variants.append(_Variant(label, low, _score(low, hw, plan), plan))
+    best = min(variants, key=lambda v: (round(v.score, 9), variants.index(v)))
+    c_var = time.process_time() - c0
+    low = best.lowered
+    if low.recomputes or low.host_steps:
+        inner = plan_moves(low.trace, hw, options)
+        score = _score(low, hw, inner)
+        if gains(best.score, score):
+            inner, score = best.plan, best.score
+        plan = low.plan(inner)
+    else:
+        plan, score = None, float("inf")
+    if plan is None or per >= _BOTH_PIPELINES:
+        if move_plan is None:
+            move_plan = plan_moves(trace, hw, options)
+        m_score = move_plan.meta.get("predicted_step_s", float("inf"))
+        if plan is None or not gains(score, m_score):
+            plan, score = move_plan, m_score
+    meta = dict(plan.meta)
+    meta.update({
+        "levers": {
+            "variant": best.label if plan.recomputes or plan.host_steps else "moves only",
+            "variants": {v.label: v.score for v in variants},
+            "recomputes": len(plan.recomputes),
+            "recompute_ops": sum(len(r.ops) for r in plan.recomputes),
+            "recompute_s": float(sum(trace.durations[list(r.ops)].sum() for r in plan.recomputes)),
+            "host_steps": len(plan.host_steps),
+            "variants_cpu_s": c_var,
+            "scored_as": "mapped back" if LEVERS_SIMULATED else "lowered trace",
+        },
+        "predicted_step_s": score,
+        "planning_s": time.perf_counter() - t0 + (move_plan.meta.get("planning_s", 0.0) if move_plan else 0.0),
+        "planning_cpu_s": time.process_time() - c0 + (move_plan.meta.get("planning_cpu_s", 0.0) if move_plan else 0.0),
+    })
+    final = dataclasses.replace(plan, policy="tierflow", meta=meta)
+    if not final.recomputes and not final.host_steps:
+        validate(final, trace, hw)
+    return final
