@@ -507,9 +507,19 @@ def _seeds(trace: Trace, hw: Hardware, options: PolicyOptions, opts: dict, budge
             return
 
 
+def _default_levers() -> str:
+    """'all' once the simulator and validator price recompute and host steps
+    (``_joint.LEVERS_SIMULATED``); until then a plan with them could not be checked, so
+    'move' (the levers are still there on request)."""
+    from ._joint import LEVERS_SIMULATED
+
+    return "all" if LEVERS_SIMULATED else "move"
+
+
 _OPTIONS = (
-    PolicyOption("levers", str, "all", "which levers to plan with: 'move' (moves only, as before the "
-                 "three levers) or 'all' (moves, recompute and host-side optimizer steps)", ("move", "all")),
+    PolicyOption("levers", str, _default_levers(), "which levers to plan with: 'move' (moves only, as "
+                 "before the three levers) or 'all' (moves, recompute and host-side optimizer steps)",
+                 ("move", "all")),
     PolicyOption("min_bytes", int, 2**20, "gaps below this size are not moved by the own pass"),
     PolicyOption("ssd_slack", float, 4.0, "a gap this many times a slow tier's round trip goes there first"),
     PolicyOption("repair_rounds", int, 48, "at most this many repair simulations"),
@@ -522,9 +532,10 @@ _OPTIONS = (
 def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """Plan with ``tierflow`` (see the module docstring for the method and options).
 
-    With ``levers="all"`` (the default) the move-only plan below competes with plans
-    that also recompute and host-step (:mod:`._joint`); ``levers="move"`` is the
-    move-only planner alone.
+    With ``levers="all"`` the move-only plan competes with plans that also recompute and
+    host-step (:mod:`._joint`); ``levers="move"`` is the move-only planner alone. The
+    default is ``"all"`` once the simulator prices those actions (see
+    :func:`_default_levers`).
 
     The portfolio and the loop are sized by a work budget in simulated trace ops (option
     ``work_ops``, see ``_WORK_OPS``), not by a clock, so the plan is a pure function of
@@ -540,7 +551,7 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         >>> plan.policy
         'tierflow'
     """
-    levers = (options.extra or {}).get("levers", "all")
+    levers = (options.extra or {}).get("levers", _default_levers())
     if levers not in ("move", "all"):
         from ..errors import PolicyError
 
