@@ -119,6 +119,8 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         base = lower(trace, (), hs)
         over = _over_original(base, budget)
         for mult in _LADDER:
+            if mult is None and not hs and move_plan is not None:
+                continue  # moving alone already has its whole pipeline's plan
             if mult is None:
                 chosen = []
             else:
