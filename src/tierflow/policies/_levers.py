@@ -28,6 +28,7 @@ Three parts, each a pure function of its inputs:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,11 +93,20 @@ class HostStepOption:
     state_bytes: int
 
 
+def _is_view(op: Op, t: int) -> bool:
+    """``op`` lists ``t`` as input and output but does not change it: a view
+    (``aten::view``, ``t``, ``_unsafe_view``, ...), which launches no kernel, so a
+    captured trace gives it no time. An in-place update takes time."""
+    return op.duration_s == 0.0 and t in op.inputs
+
+
 def _writers(trace: Trace) -> list[list[int]]:
+    """Per tensor, the ops that write it (views of it left out)."""
     out: list[list[int]] = [[] for _ in range(trace.n_tensors)]
     for i, op in enumerate(trace.ops):
         for t in dict.fromkeys(op.outputs):
-            out[t].append(i)
+            if not _is_view(op, t):
+                out[t].append(i)
     return out
 
 
@@ -248,31 +258,57 @@ def choose_recomputes(trace: Trace, options: list[RecomputeOption], over: np.nda
 
     ``over[k]`` is how many bytes op ``k`` is over the line (what moves would otherwise
     carry away). An option is taken if some op of its span is still over, and its cost
-    per byte is at most ``max_per_byte_s``; it lowers ``over`` over its span. Options
-    whose chains read a tensor another taken option drops at that point are skipped, so
-    that the records :func:`group` makes are consistent. Ties by tensor id.
+    per byte is at most ``max_per_byte_s``; it lowers ``over`` over its span.
+
+    Chains read each other's tensors: in a transformer's backward the product of an MLP's
+    gate and up projections is needed before either projection, so re-making the product
+    reads both while they are still dropped. Such a tensor is then re-made earlier, at
+    the first point a taken chain reads it (its option's ``before_op`` moves there, and
+    its chain joins that record; recursively for what its own chain reads), so that the
+    records :func:`group` makes are consistent. A candidate whose span would be empty
+    after that is skipped. Ties by tensor id.
     """
     over = np.asarray(over, dtype=np.float64).copy()
     order = sorted(options, key=lambda o: (o.per_byte_s, o.tensor))
     taken: dict[int, RecomputeOption] = {}
+    ins_of: dict[int, set[int]] = {}
     reads: dict[int, set[int]] = {}  # tensor -> taken options' tensors whose chains read it
+
+    def need(x: int, at: int, tent: dict[int, RecomputeOption]) -> bool:
+        """Make ``x`` be on the device at op ``at`` (re-made by then if it is dropped),
+        in ``tent``; False if it cannot be."""
+        ox = tent.get(x, taken.get(x))
+        if ox is None or not ox.drop_after < at < ox.before_op:
+            return True
+        if at - ox.drop_after < 2:
+            return False  # it would be re-made right after its drop: nothing freed
+        tent[x] = dataclasses.replace(ox, before_op=at)
+        return all(need(y, at, tent) for y in ins_of[x])
+
     for o in order:
         if o.per_byte_s > max_per_byte_s:
             break
         lo, hi = o.drop_after + 1, o.before_op - 1
         if not (over[lo : hi + 1] > 0).any():
             continue
+        # taken chains that read this tensor while it would be dropped: re-make it there
+        first = min((taken[c].before_op for c in reads.get(o.tensor, ())
+                     if o.drop_after < taken[c].before_op < o.before_op), default=None)
+        if first is not None:
+            if first - o.drop_after < 2:
+                continue
+            o = dataclasses.replace(o, before_op=first)
         ins = _chain_inputs(trace, o)
-        # a chain that reads a tensor dropped at its before_op, or a taken chain that
-        # reads this tensor while it is dropped: inconsistent, skip
-        if any(x in taken and taken[x].drop_after < o.before_op < taken[x].before_op for x in ins):
+        ins_of[o.tensor] = ins
+        tent: dict[int, RecomputeOption] = {}
+        if not all(need(x, o.before_op, tent) for x in ins):
+            del ins_of[o.tensor]
             continue
-        if any(taken[c].before_op > o.drop_after and taken[c].before_op < o.before_op for c in reads.get(o.tensor, ())):
-            continue
+        taken.update(tent)
         taken[o.tensor] = o
         for x in ins:
             reads.setdefault(x, set()).add(o.tensor)
-        over[lo : hi + 1] -= o.nbytes
+        over[o.drop_after + 1 : o.before_op] -= o.nbytes
     return [taken[t] for t in sorted(taken)]
 
 
