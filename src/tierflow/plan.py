@@ -83,7 +83,10 @@ class Recompute:
         tensors: non-persistent tensor ids the chain re-creates, each used at or after
             ``before_op``.
         ops: trace op indices re-run, in order (forward ops, each ``pure``).
-        before_op: the op the chain runs just before (the first use after the drop).
+        before_op: the op the chain runs just before: at or before each tensor's first
+            use after its drop (earlier where a tensor is re-made for a chain that reads
+            it, as when a product of two dropped projections is re-made before either
+            projection's own backward use).
         restore_rng: the executor restores the RNG state each op first ran with, as
             ``torch.utils.checkpoint`` does; required when a re-run op draws random
             numbers (``Op.rng``).
