@@ -253,7 +253,7 @@ def host_step_options(trace: Trace, hw: Hardware) -> list[HostStepOption]:
 
 
 def choose_recomputes(trace: Trace, options: list[RecomputeOption], over: np.ndarray,
-                      max_per_byte_s: float = float("inf")) -> list[RecomputeOption]:
+                      max_per_byte_s: float = float("inf"), remake_early: bool = True) -> list[RecomputeOption]:
     """Options to take, cheapest per byte first, while they relieve ops over the line.
 
     ``over[k]`` is how many bytes op ``k`` is over the line (what moves would otherwise
@@ -295,13 +295,13 @@ def choose_recomputes(trace: Trace, options: list[RecomputeOption], over: np.nda
         first = min((taken[c].before_op for c in reads.get(o.tensor, ())
                      if o.drop_after < taken[c].before_op < o.before_op), default=None)
         if first is not None:
-            if first - o.drop_after < 2:
+            if first - o.drop_after < 2 or not remake_early:
                 continue
             o = dataclasses.replace(o, before_op=first)
         ins = _chain_inputs(trace, o)
         ins_of[o.tensor] = ins
         tent: dict[int, RecomputeOption] = {}
-        if not all(need(x, o.before_op, tent) for x in ins):
+        if not all(need(x, o.before_op, tent) for x in ins) or (tent and not remake_early):
             del ins_of[o.tensor]
             continue
         taken.update(tent)
