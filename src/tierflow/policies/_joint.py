@@ -186,8 +186,28 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         m_score = move_plan.meta.get("predicted_step_s", float("inf"))
         if plan is None or not gains(score, m_score):
             plan, score = move_plan, m_score
+    seed = "levers" if plan.recomputes or plan.host_steps else plan.meta.get("seed", "tierflow")
+    peer_scores: dict[str, float] = {}
+    if LEVERS_SIMULATED and opts.get("portfolio", True):
+        # the peers' plans (checkpointing, ZeRO-Offload, ...) are seeds too, repaired by
+        # the same loop where one leads: tierflow is never behind a peer by construction
+        for name, p_plan, p_score in _peer_seeds(trace, hw, options):
+            peer_scores[name] = p_score
+            if gains(p_score, score):
+                plan, score, seed = p_plan, p_score, name
+        if seed in peer_scores:
+            from ._tierflow_loop import improve, improve_targeted, simulate_score
+
+            rounds = max(per, 1)
+            s0, res = simulate_score(trace, hw, plan)
+            s1, p1, r1, used = improve(trace, hw, plan, s0, res, min(12, rounds // 2))
+            s1, p1, _, _ = improve_targeted(trace, hw, p1, s1, r1, rounds - used)
+            if gains(s1, score):
+                plan, score = p1, s1
     meta = dict(plan.meta)
     meta.update({
+        "seed": seed,
+        "peer_scores": peer_scores,
         "levers": {
             "variant": best.label if plan.recomputes or plan.host_steps else "moves only",
             "variants": {v.label: v.score for v in variants},
@@ -207,3 +227,24 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
     if not final.recomputes and not final.host_steps:
         validate(final, trace, hw)
     return final
+
+
+# The peers whose plans seed the joint planner, where this build has them.
+_PEERS = ("checkpoint", "selective", "save_on_cpu", "offload_activations", "zero_offload",
+          "zero_offload+checkpoint", "zero_infinity")
+
+
+def _peer_seeds(trace: Trace, hw: Hardware, options: PolicyOptions):
+    """(name, plan, simulated step) of each peer policy present that can plan here."""
+    from ..errors import PolicyError
+    from . import get_policy, policy_names
+
+    present = set(policy_names())
+    for name in _PEERS:
+        if name not in present:
+            continue
+        try:
+            plan = get_policy(name)(trace, hw, PolicyOptions(options.budget_bytes, options.seed))
+        except (PlanError, PolicyError):
+            continue
+        yield name, plan, simulate_score(trace, hw, plan)[0]
