@@ -46,3 +46,148 @@ def placed_problems(draw, max_buffers: int, max_start: int, max_life: int):
     p = Problem(tuple(bufs))
     order = np.array(draw(st.permutations(range(n))), dtype=np.int64)
     return p, best_fit(p.lower, p.upper, p.units, order)
+
+
+# -- recompute and host steps ---------------------------------------------------------
+
+
+def lever_trace(layers: int, sizes_mb: list[int], durations_ms: list[int], rng_layers: frozenset[int] = frozenset()) -> Trace:
+    """A small training iteration with what recompute and host steps need: per layer a
+    weight ``w`` and its optimizer state ``m`` (persistent), a forward pair
+    ``h = lin(x, w)``, ``y = act(h)`` (``act`` draws random numbers in ``rng_layers``),
+    a backward op reading ``h``, ``x`` and ``w`` and writing the weight's gradient, and one
+    optimizer op per weight reading its gradient and updating ``w`` and ``m``.
+
+    ``sizes_mb`` holds ``6 * layers + 2`` sizes in creation order (per layer ``w``,
+    ``m``; the input; per layer ``h``, ``y``; the loss gradient; per layer from the last
+    ``g``, ``dx``), ``durations_ms`` ``4 * layers + 1`` op times."""
+    sizes, durs = iter(sizes_mb), iter(durations_ms)
+    tensors: list[TensorInfo] = []
+    ops: list[Op] = []
+
+    def tensor(kind: str, persistent: bool = False, name: str = "") -> int:
+        tensors.append(TensorInfo(len(tensors), next(sizes) * MB, kind, persistent, name))
+        return len(tensors) - 1
+
+    ws, ms = [], []
+    for i in range(layers):
+        ws.append(tensor("parameter", True, f"w{i}"))
+        ms.append(tensor("optimizer_state", True, f"m{i}"))
+    x = tensor("input", name="x")
+    xs, hs = [], []
+    for i, w in enumerate(ws):
+        h = tensor("activation", name=f"h{i}")
+        ops.append(Op(f"lin{i}", "forward", next(durs) * 1e-3, (x, w), (h,), scope=f"l{i}"))
+        y = tensor("activation", name=f"y{i}")
+        ops.append(Op(f"act{i}", "forward", next(durs) * 1e-3, (h,), (y,), scope=f"l{i}", rng=i in rng_layers))
+        xs.append(x)
+        hs.append(h)
+        x = y
+    dy = tensor("activation", name="dy")
+    ops.append(Op("loss", "forward", next(durs) * 1e-3, (x,), (dy,)))
+    grads = []
+    for i in reversed(range(layers)):
+        g = tensor("gradient", name=f"g{i}")
+        dx = tensor("activation", name=f"dx{i}")
+        ops.append(Op(f"bwd{i}", "backward", next(durs) * 1e-3, (dy, hs[i], xs[i], ws[i]), (g, dx), scope=f"l{i}"))
+        grads.append((i, g))
+        dy = dx
+    for i, g in grads:
+        ops.append(Op(f"step{i}", "optimizer", next(durs) * 1e-3, (ws[i], g, ms[i]), (ws[i], ms[i])))
+    return Trace(ops, tensors, "levers")
+
+
+@st.composite
+def lever_traces(draw, max_layers: int = 4):
+    layers = draw(st.integers(1, max_layers))
+    sizes = draw(st.lists(st.integers(1, 60), min_size=6 * layers + 2, max_size=6 * layers + 2))
+    durs = draw(st.lists(st.integers(0, 20), min_size=4 * layers + 1, max_size=4 * layers + 1))
+    rng = frozenset(draw(st.sets(st.integers(0, layers - 1))))
+    return lever_trace(layers, sizes, durs, rng)
+
+
+def host_hw(pcie_gbps: float = 10.0, host_gbps: float = 5.0) -> Hardware:
+    """:func:`simple_hw` with a host that runs optimizer updates at ``host_gbps`` GB/s."""
+    import dataclasses
+
+    from tierflow.hardware import HostCompute
+
+    return dataclasses.replace(simple_hw(pcie_gbps), host_compute=HostCompute(host_gbps * 1e9, "test"))
+
+
+def host_steps_of(trace: Trace, params: set[int] | None = None, tier: str = "host") -> list:
+    """A host step for each parameter (of ``params``, default all) whose optimizer ops
+    touch only it, its gradient and its optimizer state (one op per parameter)."""
+    from tierflow.plan import HostStep
+
+    out = []
+    for o, op in enumerate(trace.ops):
+        if op.phase != "optimizer":
+            continue
+        kinds: dict[str, list[int]] = {}
+        for t in op.tensors:
+            kinds.setdefault(trace.tensors[t].kind, []).append(t)
+        if len(kinds.get("parameter", ())) != 1 or len(kinds.get("gradient", ())) != 1:
+            continue
+        p = kinds["parameter"][0]
+        if params is not None and p not in params:
+            continue
+        out.append(HostStep(p, kinds["gradient"][0], tuple(kinds.get("optimizer_state", ())), (o,), tier))
+    return out
+
+
+def recompute_candidates(trace: Trace) -> list:
+    """Every single-tensor recompute by rule: a non-persistent tensor born at a pure
+    forward op ``p`` (not in place), dropped over its last gap, re-created before the
+    use that ends it by re-running ``p`` (or, where one of ``p``'s inputs is born at a
+    pure forward op too, that op and ``p``: a chain of two)."""
+    from tierflow.plan import Recompute
+
+    out = []
+    first = trace.first_use
+    for t in range(trace.n_tensors):
+        if trace.tensors[t].persistent:
+            continue
+        p = int(first[t])
+        op = trace.ops[p]
+        if op.phase != "forward" or not op.pure or t in op.inputs:
+            continue
+        uses = trace.uses(t).tolist()
+        gaps = [(a, b) for a, b in zip(uses, uses[1:]) if b > a + 1]
+        if not gaps:
+            continue
+        _, b = gaps[-1]
+        out.append(Recompute((t,), (p,), b, restore_rng=True))
+        for a in op.inputs:
+            q = int(first[a])
+            src = trace.ops[q]
+            if not trace.tensors[a].persistent and src.phase == "forward" and src.pure and a not in src.inputs and q < p:
+                out.append(Recompute((t,), (q, p), b, restore_rng=True))
+                break
+    return out
+
+
+def chain_reads(trace: Trace, r) -> set[int]:  # noqa: ANN001 - a Recompute
+    """Tensors a chain reads from outside itself."""
+    made = {t for o in r.ops for t in trace.ops[o].outputs if int(trace.first_use[t]) == o}
+    return {x for o in r.ops for x in trace.ops[o].tensors if x not in made}
+
+
+def chain_made(trace: Trace, r) -> set[int]:  # noqa: ANN001 - a Recompute
+    return {t for o in r.ops for t in trace.ops[o].outputs if int(trace.first_use[t]) == o}
+
+
+def pick_recomputes(draw, trace: Trace) -> list:
+    """A random set of :func:`recompute_candidates` that cannot conflict: no chain reads
+    a tensor another drops, no tensor is dropped twice."""
+    chosen, dropped, read = [], set(), set()
+    for r in recompute_candidates(trace):
+        if not draw(st.booleans()):
+            continue
+        reads = chain_reads(trace, r)
+        if set(r.tensors) & (dropped | read) or reads & dropped:
+            continue
+        chosen.append(r)
+        dropped.update(r.tensors)
+        read |= reads
+    return chosen

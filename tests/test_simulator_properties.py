@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -53,7 +54,9 @@ def random_planned(draw, trace, hw):
     return Plan("random", moves, budget_bytes=hw.device_capacity)
 
 
-def check_invariants(trace, hw, plan, r):
+def check_invariants(trace, hw, plan, r, levers=False):
+    """``levers``: the plan may recompute and host-step (the stream then also runs the
+    chains and no longer runs the host-stepped ops)."""
     if not r.fits and r.error:
         return
     # never over capacity, on any tier, at any moment of the reported iteration
@@ -62,14 +65,25 @@ def check_invariants(trace, hw, plan, r):
         assert r.peak_bytes[tier.name] <= cap
         _, used = r.memory[tier.name]
         assert used.size == 0 or used.max() <= cap + 1e-6
-    # time is at least the ideal, and at least what each link's traffic needs
-    assert r.time_s >= r.ideal_s
+    # time is at least the ideal (plus recompute, less what the host took over), and
+    # at least what each link's traffic needs
+    stream_s = r.ideal_s + r.recompute_s - r.host_op_s
+    assert levers or (r.recompute_s == 0 and r.host_op_s == 0)
+    assert r.time_s >= stream_s - 1e-12 * max(1.0, r.ideal_s)
     for link in hw.links:
         assert r.traffic_bytes[link.name] / link.bandwidth <= r.time_s * (1 + 1e-9) + 1e-12
     # ops run in order, one at a time, each for its duration
     starts, ends = r.op_start_s, r.op_end_s
     assert all(ends[i] <= starts[i + 1] + 1e-12 for i in range(len(starts) - 1))
-    assert math.isclose(float((ends - starts).sum()), trace.ideal_s, rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(float((ends - starts).sum()), trace.ideal_s - r.host_op_s, rel_tol=1e-9, abs_tol=1e-12)
+    if levers and len(starts):
+        # between ops: their stalls and the chains run before them; the stream ends
+        # when the iteration does
+        gaps = starts - np.concatenate([[0.0], ends[:-1]])
+        assert math.isclose(float(gaps.sum()), r.stall_s + r.recompute_s, rel_tol=1e-9, abs_tol=1e-12)
+        for c in r.recomputes:
+            assert starts[c.before_op] >= c.end_s - 1e-12 and c.end_s - c.start_s <= gaps[c.before_op] + 1e-12
+        assert math.isclose(r.time_s, float(ends[-1]), rel_tol=1e-9, abs_tol=1e-12)
 
 
 @given(cases(), st.sampled_from(["lru", "deepum"]), st.booleans())

@@ -78,11 +78,18 @@ class Recompute:
     ``before_op``. Every input of a re-run op must then be on the device or an output of
     an earlier op of the chain (chains of recomputed tensors are allowed); outputs of the
     chain that are not in ``tensors`` are temporaries, freed when the chain ends.
+    An input the chain reads but does not make (a checkpointed block's input, an output
+    selective checkpointing saved) is read at ``before_op``: it stays live on the device
+    until the chain has run, also where the trace's last use of it is earlier.
 
     Attributes:
         tensors: non-persistent tensor ids the chain re-creates, each used at or after
             ``before_op``.
-        ops: trace op indices re-run, in order (forward ops, each ``pure``).
+        ops: trace op indices re-run, in order (forward ops, each ``pure``, except in a
+            plan that models a system which re-runs impure ops as they are:
+            ``torch.utils.checkpoint`` re-runs a block's BatchNorm, updating its running
+            statistics a second time; the ``checkpoint`` peer policy does that by
+            default and says so in ``Plan.meta["impure_reruns"]``).
         before_op: the op the chain runs just before: at or before each tensor's first
             use after its drop (earlier where a tensor is re-made for a chain that reads
             it, as when a product of two dropped projections is re-made before either
@@ -175,6 +182,12 @@ class Plan:
         return {k: tuple(sorted(v, key=lambda m: m.kind != "evict")) for k, v in out.items()}
 
     def count(self, kind: str) -> int:
+        """How many moves of ``kind`` (``"evict"``, ``"prefetch"``), or ``"recomputed"``
+        tensors, or ``"host_step"`` records the plan has."""
+        if kind == "recomputed":
+            return sum(len(r.tensors) for r in self.recomputes)
+        if kind == "host_step":
+            return len(self.host_steps)
         return sum(1 for m in self.moves if m.kind == kind)
 
     # -- (de)serialisation --------------------------------------------------------------
@@ -286,6 +299,255 @@ class Plan:
 
 # -- validation ---------------------------------------------------------------------------
 
+# -- the levers: recompute and host steps ---------------------------------------------
+
+
+@dataclass
+class _Levers:
+    """What a plan's recomputes and host steps change in the residency walk."""
+
+    host_ops: frozenset[int] = frozenset()
+    # tensor -> the ops that use it on the device, where that differs from the trace
+    # (host-stepped ops removed, the chains' reads added as uses at their before_op)
+    uses: dict[int, list[int]] = field(default_factory=dict)
+    # tensor -> its last op on the device, where that differs from its death (a
+    # host-stepped gradient leaves after its last backward use)
+    last_op: dict[int, int] = field(default_factory=dict)
+    # tensors never on the device (host-stepped optimizer state, host-only temporaries)
+    off_device: set[int] = field(default_factory=set)
+    start_tier: dict[int, str] = field(default_factory=dict)
+    # bytes held on an off-device tier for the whole iteration
+    host_bytes: dict[str, int] = field(default_factory=dict)
+    # (tensor, dropped after op, re-created before op)
+    drops: list[tuple[int, int, int]] = field(default_factory=list)
+    # per before_op: [(recompute index, kept bytes, bytes the chain allocates)]
+    chains: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+
+
+def host_step_ops(plan: Plan) -> frozenset[int]:
+    """The trace ops a plan's host steps take off the device."""
+    return frozenset(o for h in plan.host_steps for o in h.ops)
+
+
+def _check_host_steps(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> None:
+    n_ops, n_t = trace.n_ops, trace.n_tensors
+    tensors, ops = trace.tensors, trace.ops
+    offload = {t.name for t in hw.tiers if t.name != hw.device}
+    owner: dict[int, int] = {}  # tensor -> index of the host step covering it
+    for i, h in enumerate(plan.host_steps):
+        where = f"plan {plan.policy}: host step {i} (param {h.param})"
+        fields = (("param", (h.param,)), ("grad", (h.grad,)), ("state", h.state))
+        for fld, ids in fields:
+            for t in ids:
+                if not 0 <= t < n_t:
+                    raise PlanError(f"{where}: field '{fld}' names tensor {t}, which does not exist (tensors: {n_t})")
+        p, g = tensors[h.param], tensors[h.grad]
+        if p.kind != "parameter" or not p.persistent:
+            raise PlanError(f"{where}: field 'param': tensor {h.param} is a {'persistent ' if p.persistent else ''}"
+                            f"{p.kind}, not a persistent parameter")
+        if g.kind != "gradient" or g.persistent:
+            raise PlanError(f"{where}: field 'grad': tensor {h.grad} is a {'persistent ' if g.persistent else ''}"
+                            f"{g.kind}, not a gradient born in backward")
+        for s in h.state:
+            if tensors[s].kind != "optimizer_state" or not tensors[s].persistent:
+                raise PlanError(f"{where}: field 'state': tensor {s} is a {tensors[s].kind}, not persistent optimizer state")
+        for fld, ids in fields:
+            for t in ids:
+                if t in owner:
+                    raise PlanError(f"{where}: field '{fld}': tensor {t} is already covered by host step {owner[t]}")
+                owner[t] = i
+        if h.tier not in offload:
+            raise PlanError(f"{where}: field 'tier' is {h.tier!r}, not an off-device tier of {hw.name}")
+        if not hw.route(hw.device, h.tier) or not hw.route(h.tier, hw.device):
+            raise PlanError(f"{where}: field 'tier': {hw.name} has no route between {hw.device} and {h.tier}")
+        for o in h.ops:
+            if not 0 <= o < n_ops:
+                raise PlanError(f"{where}: field 'ops' names op {o}, outside 0..{n_ops - 1}")
+            if ops[o].phase != "optimizer":
+                raise PlanError(f"{where}: field 'ops': op {o} ({ops[o].name}) is a {ops[o].phase} op, not an optimizer op")
+        # its ops are exactly the optimizer ops that touch its parameter, gradient or state
+        mine = {h.param, h.grad, *h.state}
+        touching = {int(o) for t in mine for o in trace.uses(t).tolist() if ops[int(o)].phase == "optimizer"}
+        if set(h.ops) != touching:
+            missing, extra = sorted(touching - set(h.ops)), sorted(set(h.ops) - touching)
+            raise PlanError(
+                f"{where}: field 'ops' must be the optimizer ops touching its tensors: "
+                + (f"op {missing[0]} ({ops[missing[0]].name}) is missing" if missing
+                   else f"op {extra[0]} ({ops[extra[0]].name}) touches none of them")
+            )
+    host_ops = host_step_ops(plan)
+    lev.host_ops = host_ops
+    # a host-stepped op touches only covered tensors and temporaries of the host step
+    # (a shared foreach op is host-stepped only if all of its parameters are)
+    for o in sorted(host_ops):
+        for t in trace.op_tensors[o]:
+            if t in owner:
+                continue
+            info = tensors[t]
+            if info.persistent or not set(trace.uses(t).tolist()) <= host_ops:
+                raise PlanError(
+                    f"plan {plan.policy}: host-stepped op {o} ({ops[o].name}) touches tensor {t} "
+                    f"({info.name or info.kind}), which no host step covers: a shared optimizer op is "
+                    f"host-stepped only if all of its parameters are"
+                )
+            lev.off_device.add(t)  # a temporary of the host's update
+    for i, h in enumerate(plan.host_steps):
+        where = f"plan {plan.policy}: host step {i} (param {h.param})"
+        p, g = tensors[h.param], tensors[h.grad]
+        for s in h.state:
+            lev.off_device.add(s)
+            lev.start_tier[s] = h.tier
+        dev_uses = [u for u in trace.uses(h.grad).tolist() if u not in host_ops]
+        if not dev_uses:
+            raise PlanError(f"{where}: field 'grad': tensor {h.grad} is not written by any backward op")
+        for u in dev_uses:
+            if ops[u].phase != "backward":
+                raise PlanError(f"{where}: field 'grad': tensor {h.grad} is used on the device by op {u} "
+                                f"({ops[u].name}), a {ops[u].phase} op, after it went to {h.tier}")
+        if min(u for u in trace.uses(h.grad).tolist() if u in host_ops) < dev_uses[-1]:
+            raise PlanError(f"{where}: field 'grad': a host-stepped op uses tensor {h.grad} before its last backward op")
+        lev.uses[h.grad] = dev_uses
+        lev.last_op[h.grad] = dev_uses[-1]
+        lev.uses[h.param] = [u for u in trace.uses(h.param).tolist() if u not in host_ops]
+        if lev.uses[h.param] and lev.uses[h.param][-1] > dev_uses[-1]:
+            u = lev.uses[h.param][-1]
+            raise PlanError(f"{where}: field 'param': op {u} ({ops[u].name}) uses tensor {h.param} on the device "
+                            f"after its gradient's last backward op {dev_uses[-1]}, when its update has begun")
+        # on the host tier for good: optimizer state, the gradient's buffer and the
+        # parameter's master copy
+        held = sum(tensors[s].bytes for s in h.state) + g.bytes + p.bytes
+        lev.host_bytes[h.tier] = lev.host_bytes.get(h.tier, 0) + held
+    for i, m in enumerate(plan.moves):
+        if m.tensor in owner and m.tensor != plan.host_steps[owner[m.tensor]].param:
+            h = plan.host_steps[owner[m.tensor]]
+            fld = "grad" if m.tensor == h.grad else "state"
+            raise PlanError(f"plan {plan.policy}: move {i} ({m.kind} tensor {m.tensor}): the tensor is the "
+                            f"{fld} of host step {owner[m.tensor]}, which stays where the host step puts it")
+
+
+def _check_recomputes(plan: Plan, trace: Trace, lev: _Levers) -> None:
+    n_ops, n_t = trace.n_ops, trace.n_tensors
+    ops = trace.ops
+    sizes = trace.sizes
+    persistent = trace.persistent
+    birth, death, first = trace.birth, trace.death, trace.first_use
+    impure_ok = bool(plan.meta.get("impure_reruns"))
+    host_grads = set(lev.last_op)  # (only host steps have set last_op so far)
+    # per tensor, its dropped spans (drop after op d, re-created before op b), in order
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for i, r in enumerate(plan.recomputes):
+        where = f"plan {plan.policy}: recompute {i} (before op {r.before_op})"
+        b = r.before_op
+        if not 0 <= b < n_ops:
+            raise PlanError(f"{where}: field 'before_op' is outside 0..{n_ops - 1}")
+        if not r.tensors:
+            raise PlanError(f"{where}: field 'tensors' is empty")
+        if not r.ops:
+            raise PlanError(f"{where}: field 'ops' is empty")
+        for o in r.ops:
+            if not 0 <= o < n_ops:
+                raise PlanError(f"{where}: field 'ops' names op {o}, outside 0..{n_ops - 1}")
+            op = ops[o]
+            if op.phase != "forward":
+                raise PlanError(f"{where}: field 'ops': op {o} ({op.name}) is a {op.phase} op; only forward ops are re-run")
+            if not op.pure and not impure_ok:
+                raise PlanError(f"{where}: field 'ops': op {o} ({op.name}) is not pure (safe to re-run), "
+                                f"and the plan does not say it re-runs impure ops (meta 'impure_reruns')")
+            if op.rng and not r.restore_rng:
+                raise PlanError(f"{where}: field 'ops': op {o} ({op.name}) draws random numbers, "
+                                f"so the recompute needs restore_rng")
+            if o >= b:
+                raise PlanError(f"{where}: field 'ops': op {o} ({op.name}) does not run before op {b}")
+        # what the chain makes: the tensors born at its ops (an output born elsewhere,
+        # such as an in-place update's, is written where it already is)
+        produced = {t for o in r.ops for t in ops[o].outputs if not persistent[t] and int(first[t]) == o}
+        seen: set[int] = set()
+        for t in r.tensors:
+            if not 0 <= t < n_t:
+                raise PlanError(f"{where}: field 'tensors' names tensor {t}, which does not exist (tensors: {n_t})")
+            if persistent[t]:
+                raise PlanError(f"{where}: field 'tensors': tensor {t} is persistent; only non-persistent tensors are recomputed")
+            if t in lev.off_device or t in host_grads:
+                raise PlanError(f"{where}: field 'tensors': tensor {t} is host-stepped")
+            if t not in produced:
+                raise PlanError(f"{where}: field 'tensors': tensor {t} is not made (born) by any op of the chain")
+            uses = trace.uses(t)
+            before = uses[uses < b]
+            if before.size == 0:
+                raise PlanError(f"{where}: field 'tensors': tensor {t} is not born before op {b}")
+            if int(death[t]) < b:
+                raise PlanError(f"{where}: field 'tensors': tensor {t} is not used at or after op {b} "
+                                f"(its last use is op {int(death[t])})")
+            if t in seen:
+                raise PlanError(f"{where}: field 'tensors' names tensor {t} twice")
+            seen.add(t)
+            spans.setdefault(t, []).append((int(before[-1]), b, i))
+    for t, ss in spans.items():
+        ss.sort(key=lambda s: s[1])
+        for (_, b0, i0), (d1, b1, i1) in zip(ss, ss[1:]):
+            if d1 < b0:
+                raise PlanError(
+                    f"plan {plan.policy}: recompute {i1} (before op {b1}): tensor {t} is not used between "
+                    f"its re-creation by recompute {i0} before op {b0} and op {b1}"
+                )
+        for d, b, _ in ss:
+            lev.drops.append((t, d, b))
+
+    def absent(x: int, b: int) -> int | None:
+        """The recompute whose dropped span hides ``x`` at the instant before op ``b``."""
+        # (re-created before op b itself: by a chain later in the list, or by this one
+        # before it made it; one earlier in the list was found in ``earlier``)
+        for d, bb, j in spans.get(x, ()):
+            if d < b <= bb:
+                return j
+        return None
+
+    extra_uses: dict[int, set[int]] = {}
+    kept_at: dict[int, set[int]] = {}  # before_op -> tensors re-created there so far
+    for i, r in enumerate(plan.recomputes):
+        where = f"plan {plan.policy}: recompute {i} (before op {r.before_op})"
+        b = r.before_op
+        made: set[int] = set()
+        earlier = kept_at.setdefault(b, set())
+        alloc = 0
+        for o in r.ops:
+            op = ops[o]
+            outputs = op.outputs
+            for x in op.tensors:
+                if x in made or x in earlier:
+                    continue
+                if not persistent[x] and int(first[x]) == o and x in outputs:
+                    made.add(x)  # born here
+                    alloc += int(sizes[x])
+                    continue
+                # read (or updated in place) from outside the chain: it must be there
+                if x in lev.off_device or x in host_grads:
+                    raise PlanError(f"{where}: op {o} ({op.name}) reads tensor {x}, which a host step keeps off the device")
+                lo = int(birth[x])
+                if not persistent[x] and not lo < b:
+                    raise PlanError(
+                        f"{where}: op {o} ({op.name}) reads tensor {x}, which is not born before op {b} "
+                        f"and is not made earlier in the chain"
+                    )
+                j = absent(x, b)
+                if j is not None:
+                    raise PlanError(
+                        f"{where}: op {o} ({op.name}) reads tensor {x}, which recompute {j} has dropped "
+                        f"at that point and the chain does not make"
+                    )
+                if not persistent[x]:
+                    extra_uses.setdefault(x, set()).add(b)
+        kept = sum(int(sizes[t]) for t in r.tensors)
+        lev.chains.setdefault(b, []).append((i, kept, alloc))
+        earlier.update(r.tensors)
+    # an input the chain reads stays live on the device until the chain has run: its
+    # life is held to op b (the walk sees a use there)
+    for x, bs in extra_uses.items():
+        lev.uses[x] = sorted(set(trace.uses(x).tolist()) | bs)
+        if max(bs) > int(death[x]):
+            lev.last_op[x] = max(bs)
+
+
 # Per-tensor states in the planning walk.
 _ON, _AWAY, _COMING = "on", "away", "coming"
 
@@ -328,11 +590,38 @@ def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
     if not 0.0 <= plan.headroom < 1.0 or (plan.headroom and not plan.reactive):
         raise PlanError(f"plan {plan.policy}: headroom {plan.headroom} must be in [0, 1) and only on a reactive plan")
     if plan.reactive:
+        if plan.recomputes or plan.host_steps:
+            raise PlanError(f"plan {plan.policy}: only a planned plan may recompute or host-step "
+                            f"(a reactive plan has {len(plan.recomputes)} recomputes, {len(plan.host_steps)} host steps)")
         return Residency({}, {})
-    return _walk(plan, trace, hardware)
+    return _walk(plan, trace, hardware, levers(plan, trace, hardware))
 
 
-def _walk(plan: Plan, trace: Trace, hw: Hardware) -> Residency:
+def levers(plan: Plan, trace: Trace, hardware: Hardware) -> _Levers:
+    """Check a plan's recomputes and host steps and say what they change in the walk.
+
+    Raises:
+        PlanError: naming the record (index), tensor or op, and field at fault.
+    """
+    lev = _Levers()
+    if plan.host_steps:
+        _check_host_steps(plan, trace, hardware, lev)
+    if plan.recomputes:
+        _check_recomputes(plan, trace, lev)
+        per_tensor: dict[int, list[tuple[int, Move]]] = {}
+        for i, m in enumerate(plan.moves):
+            per_tensor.setdefault(m.tensor, []).append((i, m))
+        for t, d, b in lev.drops:
+            for i, m in per_tensor.get(t, ()):
+                if d <= m.after_op < b:
+                    raise PlanError(
+                        f"plan {plan.policy}: move {i} ({m.kind} tensor {t} after op {m.after_op}) lies in "
+                        f"the span where a recompute has dropped the tensor (after op {d}, until op {b})"
+                    )
+    return lev
+
+
+def _walk(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> Residency:
     n_ops = trace.n_ops
     per_tensor: dict[int, list[Move]] = {}
     for m in plan.moves:
@@ -341,14 +630,17 @@ def _walk(plan: Plan, trace: Trace, hw: Hardware) -> Residency:
     delta = {t.name: np.zeros(n_ops + 1, dtype=np.int64) for t in hw.tiers}
     start_tier: dict[int, str] = {}
     sizes = trace.sizes
+    off_device, lev_uses, last_op = lev.off_device, lev.uses, lev.last_op
     for t in range(trace.n_tensors):
+        if t in off_device:
+            continue
         moves = sorted(per_tensor.get(t, []), key=lambda m: (m.after_op, m.kind != "evict"))
-        uses = trace.uses(t).tolist()
+        uses = lev_uses[t] if t in lev_uses else trace.uses(t).tolist()
         if trace.tensors[t].persistent:
             lo, hi = 0, n_ops - 1
             start = _start_state(moves, uses)
         else:
-            lo, hi = int(trace.birth[t]), int(trace.death[t])
+            lo, hi = int(trace.birth[t]), last_op.get(t, int(trace.death[t]))
             start = (_ON, None, None)
             for m in moves:
                 if not lo <= m.after_op < hi:
@@ -368,7 +660,18 @@ def _walk(plan: Plan, trace: Trace, hw: Hardware) -> Residency:
         for a, b, tier in spans:
             delta[tier][a] += size
             delta[tier][b + 1] -= size
+    dev = delta[hw.device]
+    for t, d, b in lev.drops:  # absent from after its drop until its chain runs
+        if d + 1 <= b - 1:
+            dev[d + 1] -= int(sizes[t])
+            dev[b] += int(sizes[t])
+    for tier, nbytes in lev.host_bytes.items():
+        delta[tier][0] += nbytes
+        delta[tier][n_ops] -= nbytes
+    start_tier.update(lev.start_tier)
     tier_bytes = {name: np.cumsum(d[:-1]) for name, d in delta.items()}
+    if lev.chains:
+        _check_chains(plan, trace, hw, lev, tier_bytes[hw.device])
     for tier in hw.tiers:
         cap = plan.budget_bytes if tier.name == hw.device else tier.capacity
         over = np.flatnonzero(tier_bytes[tier.name] > cap)
@@ -379,6 +682,23 @@ def _walk(plan: Plan, trace: Trace, hw: Hardware) -> Residency:
                 f"{int(tier_bytes[tier.name][op])} bytes planned, {cap:.0f} available"
             )
     return Residency(tier_bytes, start_tier)
+
+
+def _check_chains(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers, dev_bytes: np.ndarray) -> None:
+    """The device holds each chain's outputs while it runs, before its op's own births."""
+    born = ~trace.persistent
+    if lev.off_device:
+        born[list(lev.off_device)] = False
+    births = np.bincount(trace.birth[born], weights=trace.sizes[born], minlength=trace.n_ops)
+    for b, chains in lev.chains.items():
+        base = int(dev_bytes[b]) - int(births[b]) - sum(kept for _, kept, _ in chains)
+        for i, kept, alloc in chains:  # in plan order: each keeps what it re-creates
+            if base + alloc > plan.budget_bytes:
+                raise PlanError(
+                    f"plan {plan.policy}: recompute {i} (before op {b}): tier {hw.device} over capacity while "
+                    f"the chain runs: {base + alloc} bytes planned, {plan.budget_bytes:.0f} available"
+                )
+            base += kept
 
 
 def _start_state(moves: list[Move], uses: list[int]) -> tuple:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from ..hardware import Hardware
 
 _EPS_BYTES = 1e-3
+HOST_COMPUTE = "host-compute"  # the resource and queue of host-side optimizer updates
 
 
 @dataclass(eq=False, slots=True)
@@ -74,6 +75,10 @@ class CopyEngines:
                 self._resource(f"read:{tier.name}", tier.read_bw)
             if tier.write_bw != math.inf:
                 self._resource(f"write:{tier.name}", tier.write_bw)
+        if hw.host_compute is not None:
+            # the host's optimizer updates (HostStep): one FIFO stream of its own, a
+            # "transfer" of the bytes an update processes at the host's rate
+            self._resource(HOST_COMPUTE, hw.host_compute.optimizer_bytes_per_s)
         self._routes: dict[tuple[str, str], tuple[tuple[int, ...], tuple[str, ...], float]] = {}
         self._engine: dict[tuple[str, str], tuple] = {}  # (src, dst) -> its engine's queue key
         # one queue per engine (see the module docstring), and one per fault ("fault", n)
@@ -145,6 +150,22 @@ class CopyEngines:
         if len(q) == 1 and self._activate(f):
             # a flow that first waits out a latency moves nothing yet: the rates of the
             # others stay as they are, so sharing is redone only when it starts moving
+            self._reshare()
+        return f
+
+    def submit_work(self, tensor: int, nbytes: int, kind: str, on_done: Callable[[Flow], None] | None) -> Flow:
+        """Queue ``nbytes`` of work on the host-compute stream (FIFO, one at a time, at
+        the hardware's ``host_compute`` rate); it crosses no link."""
+        res = self._res_index[HOST_COMPUTE]
+        f = Flow(tensor, nbytes, HOST_COMPUTE, HOST_COMPUTE, kind, self.now, 0.0, (res,), (), on_done)
+        f.remaining = float(nbytes)
+        key = ("engine", HOST_COMPUTE)
+        f.extra["queue"] = key
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = deque()
+        q.append(f)
+        if len(q) == 1 and self._activate(f):
             self._reshare()
         return f
 

@@ -389,6 +389,10 @@ def simulate_parallel(
             f"trace {trace.name!r} was not made by rank_trace for {dp.gpus} GPUs "
             f"(its meta says {trace.meta.get('data_parallel')})"
         )
+    if plan.recomputes or plan.host_steps:
+        raise SimulationError(
+            f"plan {plan.policy}: the data-parallel simulator does not model recompute or host steps yet"
+        )
     hw = with_interconnect(hardware, dp)
     residency = validate(plan, trace, hw) if check_plan else None
     sim = _ParallelSimulator(trace, hw, plan, residency.start_tier if residency else {}, dp)

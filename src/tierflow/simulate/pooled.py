@@ -320,6 +320,7 @@ def simulate_pooled(
 
     Raises:
         PoolError: an unknown ``pool`` or a bad ``max_rounds``.
+        SimulationError: the plan recomputes or host-steps (not modelled in a pool yet).
         PlanError: the plan is inconsistent with the trace (``check_plan``).
         PoolAccountingError: the recorder lost track of an allocation (a bug).
     """
@@ -327,6 +328,13 @@ def simulate_pooled(
 
     if pool == "none":
         return simulate(trace, hardware, plan, iterations=iterations, progress=progress, check_plan=check_plan)
+    if plan.recomputes or plan.host_steps:
+        # the recorder attributes each device allocation to one tensor; a chain's
+        # temporaries and a host step's copies are not tensor allocations it knows
+        raise SimulationError(
+            f"plan {plan.policy}: a planned pool ({pool}) does not model recompute or host steps yet; "
+            f"simulate it with pool 'none'"
+        )
     if pool not in POOL_CHOICES:
         raise PoolError(f"unknown pool {pool!r}; expected one of {', '.join(POOL_CHOICES)}")
     if max_rounds < 1:

@@ -16,11 +16,33 @@ class TransferRecord(NamedTuple):
     nbytes: int
     src: str
     dst: str
-    kind: str  # evict | prefetch | fault
+    kind: str  # evict | prefetch | fault | host_grad | host_param (a host step's copies)
     issue_s: float
     start_s: float
     end_s: float
     links: tuple[str, ...]
+
+
+class RecomputeRecord(NamedTuple):
+    """One recompute chain run in the reported iteration (compute stream)."""
+
+    index: int  # in Plan.recomputes
+    before_op: int
+    ops: int  # ops re-run
+    start_s: float
+    end_s: float  # includes any wait for room or inputs between its ops
+
+
+class HostStepRecord(NamedTuple):
+    """One host-side optimizer update of the reported iteration (the host-compute
+    stream): queued when its gradient arrived (``issue_s``), run from ``start_s`` to
+    ``end_s`` (``nan`` when it ends after the simulation does)."""
+
+    param: int
+    nbytes: int  # bytes it processes: parameter, gradient and optimizer state
+    issue_s: float
+    start_s: float
+    end_s: float
 
 
 @dataclass
@@ -117,6 +139,14 @@ class SimResult:
         memory: per tier, a step curve ``(times_s, bytes)``.
         pool: with a planned pool (``simulate_pooled``), how the device arena fared;
             ``None`` for plain byte counting.
+        recompute_s: compute-stream seconds of recompute chains (their ops' durations).
+        recompute_ops: ops re-run.
+        recomputes: every chain run, for the timeline.
+        host_step_s: host-compute seconds of the host steps' updates.
+        host_op_s: compute-stream seconds the host-stepped optimizer ops no longer take
+            (``time_s = ideal_s + stall_s + recompute_s - host_op_s``).
+        host_step_bytes: bytes the host steps copied (gradients down, parameters up).
+        host_steps: every host update, for the timeline.
     """
 
     policy: str
@@ -140,6 +170,13 @@ class SimResult:
     memory: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     pool: PoolAccount | None = None
+    recompute_s: float = 0.0
+    recompute_ops: int = 0
+    recomputes: list[RecomputeRecord] = field(default_factory=list)
+    host_step_s: float = 0.0
+    host_op_s: float = 0.0
+    host_step_bytes: int = 0
+    host_steps: list[HostStepRecord] = field(default_factory=list)
 
     @classmethod
     def unplanned(cls, policy: str, trace: Any, hardware: Any, reason: str) -> SimResult:
@@ -181,4 +218,8 @@ class SimResult:
         }
         if self.pool is not None:
             out["pool"] = self.pool.to_dict()
+        if self.recompute_ops or self.host_steps or self.host_step_s:
+            out.update(recompute_s=self.recompute_s, recompute_ops=self.recompute_ops,
+                       host_step_s=self.host_step_s, host_op_s=self.host_op_s,
+                       host_step_bytes=self.host_step_bytes)
         return out

@@ -17,7 +17,48 @@ Semantics, in the order things happen:
   completes, a fetch reserves device bytes when it is issued and releases its source
   when it completes.
 
+Recompute (:class:`~tierflow.plan.Recompute`, planned plans only):
+
+* A recomputed tensor is **dropped** when the last op that uses it before the chain's
+  ``before_op`` ends (with that op's dead tensors, before its moves): its device bytes
+  are freed at once, no transfer.
+* Its **chain** runs on the compute stream just before ``before_op``, after the
+  previous op's moves were issued and before the op gathers its tensors; several chains
+  before one op run in plan order. Each chain op first has the tensors it reads from
+  outside the chain on the device (pinned for the whole chain; one away is fetched on
+  demand, one in flight awaited), then allocates what it makes (the tensors born at that
+  op: kept ones become resident again, the others are temporaries), waiting for room
+  as a birth does (bytes already leaving first, then least recently used unpinned
+  tensors are evicted); then it runs for its trace duration. Temporaries are freed
+  when the chain ends; kept tensors live until their death or next drop. A chain whose
+  own tensors cannot fit fails the simulation with the chain named.
+* An input a chain reads is held on the device until the chain's op ends, also where
+  the trace's last use of it is earlier (the plan's contract).
+* The op's stall excludes its chains' compute; the iteration is
+  ``ideal + stalls + recompute - host-stepped op time``.
+
+Host steps (:class:`~tierflow.plan.HostStep`; the hardware must have
+``host_compute``, else a :class:`SimulationError` before anything runs):
+
+* Its tier holds, for good, the parameter's master copy, a gradient buffer and the
+  optimizer state (placed there at the start; the state never comes to the device).
+* When the last backward op that uses the gradient ends, the gradient is copied
+  device -> tier (a ``host_grad`` transfer on the copy engines, sharing bandwidth with
+  moves); its device bytes are held until the copy lands, then freed.
+* The update is queued on the **host-compute stream** when the gradient has landed: one
+  stream, FIFO, each update taking (parameter + gradient + state bytes) /
+  ``optimizer_bytes_per_s``.
+* When it ends, if the parameter is on the device (or on its way there) the updated
+  values are copied tier -> device (a ``host_param`` transfer, into the same device
+  bytes); the parameter's next use, in practice the next iteration's first, waits for
+  that copy, and it is not evicted meanwhile. If the parameter is away, the update
+  lands in its off-device copy and its prefetch or fault waits for the update instead.
+* The host-stepped optimizer ops take no compute-stream time and touch nothing on the
+  device.
+
 Two iterations are simulated and the second (steady state) is reported, as G10 does.
+Its recompute chains and the host updates queued within it are reported with the
+transfers (``SimResult.recomputes``, ``SimResult.host_steps``).
 """
 
 from __future__ import annotations
@@ -36,9 +77,12 @@ from ..hardware import Hardware
 from ..plan import Move, Plan, validate
 from ..trace import Trace
 from .engine import CopyEngines, Flow
-from .result import SimResult, TransferRecord
+from .levers import Chain, LeverSchedule
+from .result import HostStepRecord, RecomputeRecord, SimResult, TransferRecord
 
-UNBORN, RESIDENT, AWAY, INCOMING, OUTGOING = range(5)
+# DROPPED: freed by a recompute (no transfer) until its chain re-creates it
+UNBORN, RESIDENT, AWAY, INCOMING, OUTGOING, DROPPED = range(6)
+_HOST_KINDS = frozenset({"host_step"})  # engine work that is not a transfer
 
 ProgressFn = Callable[[int, int], None]
 
@@ -126,12 +170,25 @@ class _Simulator:
         self.headroom = plan.budget_bytes * plan.headroom if plan.reactive else 0.0
         self.moves = plan.by_op
         persistent = trace.persistent.tolist()
+        # recomputes and host steps (None for a plan with neither: the loop skips them)
+        self.lev = LeverSchedule.of(plan, trace, hw) if plan.recomputes or plan.host_steps else None
+        death_at = self.lev.death if self.lev is not None else {}
         dies: dict[int, list[int]] = {}
         if plan.frees_dead:
             for t, op in enumerate(trace.death.tolist()):
                 if not persistent[t]:
+                    if t in death_at:
+                        op = death_at[t]
+                        if op is None:  # never on the device, or leaves it for a host step
+                            continue
                     dies.setdefault(op, []).append(t)
         self.dies = dies
+        # host steps: parameters whose update is under way (their next use waits), and
+        # those whose updated values are on their way back to the device
+        self.stale: set[int] = set()
+        self.updating: set[int] = set()
+        self.host_of = {h.param: h for h in plan.host_steps}
+        self.recompute_log: list[RecomputeRecord] = []
         # Without liveness, a tensor is not freed but its next birth (first use, as an
         # output only) overwrites it, so the dead contents are never fetched back.
         self.overwrites: dict[int, set[int]] = {}
@@ -144,6 +201,7 @@ class _Simulator:
         self.op_start = np.zeros(n_ops)
         self.op_end = np.zeros(n_ops)
         self.op_stall = np.zeros(n_ops)
+        self.op_recompute = np.zeros(n_ops)  # compute-stream seconds of chains before each op
 
     # -- memory bookkeeping -------------------------------------------------------------
     def _alloc(self, tier: str, nbytes: float) -> None:
@@ -231,8 +289,9 @@ class _Simulator:
             self._evict(t, dst, "evict")
         return short <= 0
 
-    def _wait_room(self, need: float) -> None:
-        """Block the compute stream until ``need`` device bytes are free (demand path)."""
+    def _wait_room(self, need: float, what: str | None = None) -> None:
+        """Block the compute stream until ``need`` device bytes are free (demand path);
+        ``what`` says what needs them when they can never be found."""
         self.demand_waiting = True
         while self._room() < need:
             self._make_room(need, _NOTHING)
@@ -240,7 +299,8 @@ class _Simulator:
                 break
             if not self.engines.busy():
                 raise SimulationError(
-                    f"op {self.current_op} ({self.trace.ops[self.current_op].name}) needs "
+                    what
+                    or f"op {self.current_op} ({self.trace.ops[self.current_op].name}) needs "
                     f"{self.trace.working_set_bytes[self.current_op]} bytes on {self.dev}, more than the "
                     f"budget of {self.cap[self.dev]:.0f} bytes allows"
                 )
@@ -251,6 +311,7 @@ class _Simulator:
         if self.demand_waiting or not self.deferred:
             return
         keep: deque[int] = deque()
+        stale = self.stale
         blocked = False  # strict order among the prefetches that wait for room
         while self.deferred:
             t = self.deferred.popleft()
@@ -258,7 +319,9 @@ class _Simulator:
             if s == OUTGOING:
                 keep.append(t)  # still leaving; fetch it back once it is away
             elif s == AWAY:
-                if blocked or self._room() < self.size[t]:
+                if t in stale:
+                    keep.append(t)  # its update is under way on the host: fetch it after
+                elif blocked or self._room() < self.size[t]:
                     blocked = True
                     keep.append(t)
                 else:
@@ -269,7 +332,7 @@ class _Simulator:
         t = m.tensor
         s = self.state[t]
         if m.kind == "evict":
-            if s != RESIDENT or t in self.pinned:
+            if s != RESIDENT or t in self.pinned or t in self.held:
                 self.skipped += 1
                 return
             dst = self._dest(self.size[t], m.tier)
@@ -292,6 +355,14 @@ class _Simulator:
 
     # -- the compute stream -------------------------------------------------------------
     def _place_initial(self) -> None:
+        if self.lev is not None:
+            # host steps hold a gradient buffer and the parameter's master copy on their
+            # tier for good, and their optimizer state starts (and stays) there
+            for tier, nbytes in self.lev.host_buffers.items():
+                if self.used[tier] + nbytes > self.cap[tier]:
+                    raise SimulationError(f"host steps need {nbytes} bytes on {tier}, more than its capacity")
+                self._alloc(tier, nbytes)
+            self.start_tier = {**self.start_tier, **self.lev.start_tier}
         order = np.argsort(self.trace.first_use, kind="stable")
         for t in order.tolist():
             if not self.trace.tensors[t].persistent:
@@ -317,6 +388,8 @@ class _Simulator:
         trace, eng = self.trace, self.engines
         n_ops = trace.n_ops
         durations = trace.durations.tolist()
+        lev = self.lev
+        chains = lev.chains if lev is not None and lev.chains else None
         self._place_initial()
         total = iterations * n_ops
         every = max(1, total // 100)
@@ -327,20 +400,31 @@ class _Simulator:
             for i in range(n_ops):
                 self.current_op = i
                 ready = eng.now
-                self._before_op(i)
-                self._bring_in(self.op_tensors[i])
-                start = eng.now
-                eng.run_until(start + durations[i])
-                if last:
-                    w = self.window
-                    self.op_start[i], self.op_end[i], self.op_stall[i] = start - w, eng.now - w, start - ready
-                for t in self.op_tensors[i]:
-                    if t in self.lru:
-                        self.lru.move_to_end(t)
-                self.pinned = set()
-                self._after_op(i)
+                if lev is not None and i in lev.host_ops:
+                    # the host runs it (HostStep): no time on the compute stream
+                    if last:
+                        self.op_start[i] = self.op_end[i] = eng.now - self.window
+                else:
+                    recompute_s = self._run_chains(i, last) if chains is not None and i in chains else 0.0
+                    self._before_op(i)
+                    self._bring_in(self.op_tensors[i])
+                    start = eng.now
+                    eng.run_until(start + durations[i])
+                    if last:
+                        w = self.window
+                        self.op_start[i], self.op_end[i] = start - w, eng.now - w
+                        self.op_stall[i] = start - ready - recompute_s
+                        if recompute_s:
+                            self.op_recompute[i] = recompute_s
+                    for t in self.op_tensors[i]:
+                        if t in self.lru:
+                            self.lru.move_to_end(t)
+                    self.pinned = set()
+                    self._after_op(i)
                 for t in self.dies.get(i, ()):
                     self._die(t)
+                if lev is not None:
+                    self._after_op_levers(i)
                 for m in self.moves.get(i, ()):
                     self._issue(m, i)
                 if self.headroom and self.headroom - self._room() - self.outgoing > 0:
@@ -369,12 +453,22 @@ class _Simulator:
             self.peak[tier] = v
             self.mem_log[tier].append((self.window, v))
 
-    def _bring_in(self, needed: tuple[int, ...]) -> None:
-        self.pinned = set(needed)
+    def _bring_in(self, needed: tuple[int, ...], pins: set[int] | None = None) -> None:
+        """Have every tensor of ``needed`` on the device (births allocated, the away
+        fetched on demand, the in flight arrived); ``pins`` (default: ``needed``) are
+        never chosen as eviction victims meanwhile."""
+        self.pinned = set(needed) if pins is None else pins
         state, eng = self.state, self.engines
+        # parameters a host step is updating: their use waits for the update
+        stale, updating = self.stale, self.updating
+        waiting = bool(stale or updating)
         while True:
             for t in needed:
                 s = state[t]
+                if s == RESIDENT and not waiting:
+                    continue
+                if waiting and (t in stale or t in updating):
+                    continue  # not faulted in before its update is done: rescanned below
                 if s == RESIDENT:
                     continue
                 if s == UNBORN:
@@ -402,6 +496,9 @@ class _Simulator:
             rescan = in_flight = False
             for t in needed:
                 s = state[t]
+                if waiting and (t in stale or t in updating):
+                    in_flight = True
+                    continue
                 if s != RESIDENT:
                     if s == AWAY or s == UNBORN:
                         rescan = True
@@ -412,6 +509,8 @@ class _Simulator:
             if not in_flight:
                 break
             eng.step()
+            if waiting:
+                waiting = bool(stale or updating)
         self.demand_waiting = False
         self._pump()
 
@@ -425,8 +524,110 @@ class _Simulator:
             self.state[t] = UNBORN
             self._free(self.where[t], self.size[t])
             self.where[t] = None
+        elif s == DROPPED:  # (a recompute that re-creates it for no later use)
+            self.state[t] = UNBORN
         else:  # in flight at its death: only a plan that moves a dead tensor gets here
             raise SimulationError(f"tensor {t} dies while a transfer of it is in flight")
+
+    # -- recompute and host steps ----------------------------------------------------------
+    def _run_chains(self, b: int, last: bool) -> float:
+        """Run the recompute chains due before op ``b`` on the compute stream; return
+        the seconds their ops computed (time waiting for room or inputs is stall)."""
+        eng = self.engines
+        state, size = self.state, self.size
+        computed = 0.0
+        for chain in self.lev.chains[b]:
+            t0 = eng.now
+            pins = set(chain.reads)
+            temps = 0
+            for step in chain.steps:
+                for x in step.reads:
+                    if state[x] in (UNBORN, DROPPED):
+                        raise SimulationError(
+                            f"recompute {chain.index} (before op {b}): op {step.op} reads tensor {x}, "
+                            f"which is not there ({'dropped' if state[x] == DROPPED else 'not live'})"
+                        )
+                self._bring_in(step.reads, pins)
+                for t in step.kept:
+                    if state[t] != DROPPED:
+                        raise SimulationError(f"recompute {chain.index} (before op {b}): tensor {t} "
+                                              f"was not dropped, yet the chain re-creates it")
+                    self._wait_room(size[t], self._chain_short(chain, size[t]))
+                    state[t] = RESIDENT
+                    self.lru[t] = None
+                    pins.add(t)
+                    self._alloc(self.dev, size[t])
+                if step.temps:
+                    self._wait_room(step.temps, self._chain_short(chain, step.temps))
+                    temps += step.temps
+                    self._alloc(self.dev, step.temps)
+                self.demand_waiting = False
+                eng.run_until(eng.now + step.duration_s)
+                computed += step.duration_s
+            if temps:
+                self._free(self.dev, temps)
+            if last:
+                w = self.window
+                self.recompute_log.append(RecomputeRecord(chain.index, b, len(chain.steps), t0 - w, eng.now - w))
+        self.pinned = set()
+        return computed
+
+    def _chain_short(self, chain: Chain, need: int) -> str:
+        return (
+            f"recompute {chain.index} (before op {chain.before_op}) needs {need} more bytes on {self.dev} "
+            f"with {self.used[self.dev]:.0f} held by what it cannot evict: the budget of "
+            f"{self.cap[self.dev]:.0f} bytes is too small for it"
+        )
+
+    def _after_op_levers(self, i: int) -> None:
+        """Drop what recomputes drop after op ``i``; send host-stepped gradients home."""
+        lev = self.lev
+        for t in lev.drops.get(i, ()):
+            if self.state[t] != RESIDENT:
+                raise SimulationError(f"tensor {t} is to be dropped after op {i}, but it is not on {self.dev}")
+            self.lru.pop(t, None)
+            self.state[t] = DROPPED
+            self._free(self.dev, self.size[t])
+        for h in lev.grad_out.get(i, ()):
+            g = h.grad
+            if self.state[g] != RESIDENT:
+                raise SimulationError(f"host step of tensor {h.param}: its gradient {g} is not on {self.dev} "
+                                      f"after its last backward op {i}")
+            self.state[g] = OUTGOING
+            self.lru.pop(g, None)
+            self.outgoing += self.size[g]
+            self.stale.add(h.param)  # (its buffer on h.tier is held for good)
+            f = self.engines.submit(g, self.size[g], self.dev, h.tier, "host_grad", self._grad_landed)
+            f.extra["param"] = h.param
+
+    def _grad_landed(self, f: Flow) -> None:
+        g = f.tensor
+        self.outgoing -= f.nbytes
+        self.state[g] = UNBORN
+        p = f.extra["param"]
+        self.engines.submit_work(p, self.lev.work_bytes[p], "host_step", self._host_done)
+        self._free(self.dev, f.nbytes)
+
+    def _host_done(self, f: Flow) -> None:
+        p = f.tensor
+        self.stale.discard(p)
+        if self.state[p] in (RESIDENT, INCOMING):
+            # the updated values overwrite the device copy in place; its use waits
+            h = self.host_of[p]
+            self.updating.add(p)
+            self.held[p] = self.held.get(p, 0) + 1
+            self.engines.submit(p, self.size[p], h.tier, self.dev, "host_param", self._param_landed)
+        else:
+            # away (or leaving): the update lands in its off-device copy, which a
+            # prefetch or fault now may bring
+            self._pump()
+
+    def _param_landed(self, f: Flow) -> None:
+        p = f.tensor
+        self.updating.discard(p)
+        self.held[p] -= 1
+        if not self.held[p]:
+            del self.held[p]
 
     # -- results ------------------------------------------------------------------------
     def result(self) -> SimResult:
@@ -443,7 +644,7 @@ class _Simulator:
                 f.issue_s - w, f.start_s - w, f.end_s - w, f.links,
             )
             for f in flows
-            if f.issue_s >= w
+            if f.issue_s >= w and f.kind not in _HOST_KINDS
         ]
         transfers.sort(key=_BY_ISSUE_THEN_TENSOR)
         memory = {}
@@ -453,11 +654,31 @@ class _Simulator:
         # The stream runs ops back to back, so the iteration is its op time plus its
         # stalls; summing exactly keeps a stall-free run at exactly the ideal time.
         stall_s = math.fsum(self.op_stall.tolist())
+        time_s = self.trace.ideal_s + stall_s
+        levers: dict = {}
+        if self.lev is not None:
+            # the stream also ran the chains and no longer runs the host-stepped ops
+            recompute_s = math.fsum(self.op_recompute.tolist())
+            time_s = time_s + recompute_s - self.lev.host_op_s
+            host = sorted(
+                (HostStepRecord(f.tensor, f.nbytes, f.issue_s - w, f.start_s - w, f.end_s - w)
+                 for f in flows if f.kind in _HOST_KINDS and f.issue_s >= w),
+                key=lambda r: (r.issue_s, r.param),
+            )
+            levers = dict(
+                recompute_s=recompute_s,
+                recompute_ops=sum(r.ops for r in self.recompute_log),
+                recomputes=list(self.recompute_log),
+                host_step_s=self.lev.host_step_s,
+                host_op_s=self.lev.host_op_s,
+                host_step_bytes=sum(r.nbytes for r in transfers if r.kind in ("host_grad", "host_param")),
+                host_steps=host,
+            )
         return SimResult(
             policy=self.plan.policy,
             trace=self.trace.name,
             hardware=self.hw.name,
-            time_s=self.trace.ideal_s + stall_s,
+            time_s=time_s,
             ideal_s=self.trace.ideal_s,
             stall_s=stall_s,
             traffic_bytes={k: int(round(v)) for k, v in eng.traffic.items()},
@@ -472,6 +693,7 @@ class _Simulator:
             op_stall_s=self.op_stall,
             transfers=transfers,
             memory=memory,
+            **levers,
         )
 
     def failed(self, reason: str) -> SimResult:

@@ -1,0 +1,373 @@
+"""Recompute and host steps: the validator's checks and the simulator's semantics.
+
+Random plans come from rules in ``helpers`` (single-op or two-op chains over a tensor's
+last gap, one host step per parameter), so they are valid by construction; the
+validator and the simulator are then checked against each other and against sums
+computed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers import (
+    chain_made,
+    chain_reads,
+    host_hw,
+    host_steps_of,
+    lever_trace,
+    lever_traces,
+    pick_recomputes,
+    recompute_candidates,
+    simple_hw,
+)
+from test_simulator_properties import check_invariants
+from tierflow import Plan, validate
+from tierflow.errors import PlanError, SimulationError
+from tierflow.plan import HostStep, Recompute
+from tierflow.simulate import simulate
+
+
+def small() -> tuple:
+    """Three layers of 10 MB tensors, 5 ms ops; layer 1's activation draws random numbers."""
+    tr = lever_trace(3, [10] * 20, [5] * 13, frozenset({1}))
+    return tr, host_hw()
+
+
+def _plan(tr, hw, recomputes=(), host_steps=(), **kw) -> Plan:
+    return Plan("t", budget_bytes=kw.pop("budget", hw.device_capacity), recomputes=tuple(recomputes),
+                host_steps=tuple(host_steps), **kw)
+
+
+def _op(tr, name: str) -> int:
+    return next(i for i, o in enumerate(tr.ops) if o.name == name)
+
+
+def _tensor(tr, name: str) -> int:
+    return next(t.id for t in tr.tensors if t.name == name)
+
+
+# -- the validator ------------------------------------------------------------------
+
+
+def test_recompute_frees_the_dropped_span():
+    tr, hw = small()
+    h0 = _tensor(tr, "h0")
+    r = Recompute((h0,), (_op(tr, "lin0"),), _op(tr, "bwd0"))
+    base = validate(_plan(tr, hw), tr, hw).tier_bytes["gpu"]
+    got = validate(_plan(tr, hw, [r]), tr, hw).tier_bytes["gpu"]
+    last_before = _op(tr, "act0")  # h0's last use before bwd0
+    diff = base - got
+    assert (diff[last_before + 1 : r.before_op] == tr.sizes[h0]).all()
+    assert (diff[: last_before + 1] == 0).all() and (diff[r.before_op :] == 0).all()
+
+
+def test_rejects_a_chain_with_a_missing_input():
+    tr, hw = small()
+    # re-running act1 needs h1, which another recompute has dropped until bwd1 (later than bwd0? no:
+    # bwd1 runs before bwd0): drop h1 until bwd1 and make y1 before bwd2 from h1
+    h1, y1 = _tensor(tr, "h1"), _tensor(tr, "y1")
+    drop_h1 = Recompute((h1,), (_op(tr, "lin1"),), _op(tr, "bwd1"))
+    make_y1 = Recompute((y1,), (_op(tr, "act1"),), _op(tr, "bwd2"))
+    with pytest.raises(PlanError, match=rf"recompute 1 .*reads tensor {h1}, which recompute 0 has dropped"):
+        validate(_plan(tr, hw, [drop_h1, make_y1]), tr, hw)
+
+
+def test_rejects_a_chain_op_that_does_not_run_before_its_op():
+    tr, hw = small()
+    h0 = _tensor(tr, "h0")
+    late = Recompute((h0,), (_op(tr, "lin0"),), _op(tr, "lin0"))
+    with pytest.raises(PlanError, match=r"recompute 0 .*does not run before op 0"):
+        validate(_plan(tr, hw, [late]), tr, hw)
+
+
+def test_rejects_an_rng_op_without_restore_rng():
+    tr, hw = small()
+    y1 = _tensor(tr, "y1")
+    r = Recompute((y1,), (_op(tr, "act1"),), _op(tr, "bwd2"), restore_rng=False)
+    with pytest.raises(PlanError, match=rf"recompute 0 .*op {_op(tr, 'act1')} \(act1\) draws random numbers"):
+        validate(_plan(tr, hw, [r]), tr, hw)
+    validate(_plan(tr, hw, [dataclasses.replace(r, restore_rng=True)]), tr, hw)
+
+
+def test_rejects_a_backward_op_in_a_chain_and_a_tensor_the_chain_does_not_make():
+    tr, hw = small()
+    h0 = _tensor(tr, "h0")
+    with pytest.raises(PlanError, match="only forward ops are re-run"):
+        validate(_plan(tr, hw, [Recompute((h0,), (_op(tr, "bwd1"),), _op(tr, "bwd0"))]), tr, hw)
+    with pytest.raises(PlanError, match="not made"):
+        validate(_plan(tr, hw, [Recompute((h0,), (_op(tr, "act0"),), _op(tr, "bwd0"))]), tr, hw)
+
+
+def test_rejects_an_impure_op_unless_the_plan_says_it_reruns_them():
+    tr, hw = small()
+    ops = list(tr.ops)
+    lin0 = _op(tr, "lin0")
+    ops[lin0] = dataclasses.replace(ops[lin0], pure=False)
+    tr = dataclasses.replace(tr, ops=tuple(ops))
+    r = Recompute((_tensor(tr, "h0"),), (lin0,), _op(tr, "bwd0"))
+    with pytest.raises(PlanError, match="not pure"):
+        validate(_plan(tr, hw, [r]), tr, hw)
+    validate(_plan(tr, hw, [r], meta={"impure_reruns": 1}), tr, hw)
+
+
+def test_rejects_a_move_in_the_dropped_span():
+    from tierflow import Move
+
+    tr, hw = small()
+    h0 = _tensor(tr, "h0")
+    r = Recompute((h0,), (_op(tr, "lin0"),), _op(tr, "bwd0"))
+    moves = [Move("evict", h0, _op(tr, "act0"), "host"), Move("prefetch", h0, _op(tr, "bwd1"), "host", r.before_op)]
+    with pytest.raises(PlanError, match=r"move 0 .*dropped"):
+        validate(_plan(tr, hw, [r], moves=moves), tr, hw)
+
+
+def test_a_chain_holds_its_inputs_until_it_runs():
+    tr, hw = small()
+    # make y0 again (from h0) before bwd1, whose own reads do not include h0: h0 is
+    # then held on the device until bwd1 instead of dying at bwd0
+    y0, h0 = _tensor(tr, "y0"), _tensor(tr, "h0")
+    b = _op(tr, "bwd1")
+    r = Recompute((y0,), (_op(tr, "act0"),), b)
+    got = validate(_plan(tr, hw, [r]), tr, hw).tier_bytes["gpu"]
+    base = validate(_plan(tr, hw), tr, hw).tier_bytes["gpu"]
+    assert int(tr.death[h0]) >= b  # (h0 lives until bwd0, after bwd1: nothing to hold)
+    assert got[b] == base[b]
+
+
+def test_rejects_a_host_step_on_a_non_parameter():
+    tr, hw = small()
+    hs = host_steps_of(tr)[0]
+    with pytest.raises(PlanError, match=r"host step 0 .*field 'param'.*not a persistent parameter"):
+        validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, param=hs.state[0])]), tr, hw)
+    with pytest.raises(PlanError, match=r"host step 0 .*field 'grad'"):
+        validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, grad=hs.param)]), tr, hw)
+    with pytest.raises(PlanError, match=r"host step 0 .*field 'tier'"):
+        validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, tier="gpu")]), tr, hw)
+
+
+def test_rejects_host_step_ops_that_are_not_exactly_its_optimizer_ops():
+    tr, hw = small()
+    hs = host_steps_of(tr)[0]
+    with pytest.raises(PlanError, match=r"field 'ops' must be the optimizer ops.*is missing"):
+        validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=())]), tr, hw)
+    with pytest.raises(PlanError, match=r"field 'ops'"):
+        validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=hs.ops + (0,))]), tr, hw)
+
+
+def test_rejects_a_shared_optimizer_op_when_not_all_its_params_are_host_stepped():
+    tr, hw = small()
+    # one foreach op updating every weight
+    opt = [i for i, o in enumerate(tr.ops) if o.phase == "optimizer"]
+    ins = tuple(t for i in opt for t in tr.ops[i].inputs)
+    outs = tuple(t for i in opt for t in tr.ops[i].outputs)
+    fused = dataclasses.replace(tr.ops[opt[0]], name="foreach_step", inputs=ins, outputs=outs)
+    tr = dataclasses.replace(tr, ops=tr.ops[: opt[0]] + (fused,))
+    steps = host_steps_of(tr)  # none: each op is not one parameter's
+    assert steps == []
+    params = [t for t in ins if tr.tensors[t].kind == "parameter"]
+    mk = []
+    for p in params:
+        g = next(t for t in ins if tr.tensors[t].kind == "gradient" and tr.tensors[t].name == "g" + tr.tensors[p].name[1:])
+        m = next(t for t in ins if tr.tensors[t].name == "m" + tr.tensors[p].name[1:])
+        mk.append(HostStep(p, g, (m,), (opt[0],)))
+    validate(_plan(tr, hw, host_steps=mk), tr, hw)
+    with pytest.raises(PlanError, match="host-stepped only if all of its parameters are"):
+        validate(_plan(tr, hw, host_steps=mk[:1]), tr, hw)
+
+
+def test_rejects_a_move_of_host_stepped_state():
+    from tierflow import Move
+
+    tr, hw = small()
+    hs = host_steps_of(tr)[0]
+    with pytest.raises(PlanError, match=r"move 0 .*state of host step 0"):
+        validate(_plan(tr, hw, host_steps=[hs], moves=[Move("evict", hs.state[0], 0, "host")]), tr, hw)
+
+
+def test_host_step_bytes_count_on_the_host_tier():
+    tr, hw = small()
+    steps = host_steps_of(tr)
+    res = validate(_plan(tr, hw, host_steps=steps), tr, hw)
+    held = sum(int(tr.sizes[h.param] + tr.sizes[h.grad] + sum(tr.sizes[list(h.state)])) for h in steps)
+    assert (res.tier_bytes["host"] == held).all()
+    assert res.tier_bytes["gpu"].max() < validate(_plan(tr, hw), tr, hw).tier_bytes["gpu"].max()
+    tight = hw.with_tier("host", capacity=float(held - 1))
+    with pytest.raises(PlanError, match="tier host over capacity"):
+        validate(_plan(tr, tight, host_steps=steps), tr, tight)
+
+
+def test_reactive_plans_may_not_use_the_levers():
+    tr, hw = small()
+    with pytest.raises(PlanError, match="only a planned plan"):
+        validate(_plan(tr, hw, host_steps=host_steps_of(tr), reactive=True), tr, hw)
+
+
+def test_plan_round_trips_and_counts():
+    tr, hw = small()
+    plan = _plan(tr, hw, recompute_candidates(tr)[:1], host_steps_of(tr))
+    again = Plan.from_dict(plan.to_dict())
+    assert again.recomputes == plan.recomputes and again.host_steps == plan.host_steps
+    assert plan.count("recomputed") == 1 and plan.count("host_step") == 3
+
+
+# -- the simulator ------------------------------------------------------------------
+
+
+def test_recompute_costs_its_ops_time_and_saves_its_bytes():
+    tr, hw = small()
+    r = Recompute((_tensor(tr, "h0"),), (_op(tr, "lin0"),), _op(tr, "bwd0"))
+    res = simulate(tr, hw, _plan(tr, hw, [r]))
+    assert res.recompute_s == tr.ops[r.ops[0]].duration_s and res.recompute_ops == 1
+    assert math.isclose(res.time_s, tr.ideal_s + res.recompute_s)
+    assert res.peak_bytes["gpu"] == tr.peak_live_bytes - tr.sizes[r.tensors[0]]
+    (rec,) = res.recomputes
+    assert rec.before_op == r.before_op and math.isclose(res.op_start_s[r.before_op], rec.end_s)
+
+
+def test_host_steps_take_optimizer_ops_off_the_stream():
+    tr, hw = small()
+    steps = host_steps_of(tr)
+    res = simulate(tr, hw, _plan(tr, hw, host_steps=steps))
+    opt = sum(o.duration_s for o in tr.ops if o.phase == "optimizer")
+    assert math.isclose(res.host_op_s, opt)
+    rate = hw.host_compute.optimizer_bytes_per_s
+    assert math.isclose(res.host_step_s, sum(int(tr.sizes[h.param] + tr.sizes[h.grad] + tr.sizes[h.state[0]])
+                                             for h in steps) / rate)
+    assert math.isclose(res.time_s, tr.ideal_s + res.stall_s - opt)
+    # every host update starts after its gradient landed, one at a time
+    for a, b in zip(res.host_steps, res.host_steps[1:]):
+        assert b.start_s >= a.end_s - 1e-12
+    kinds = {t.kind for t in res.transfers}
+    assert {"host_grad", "host_param"} <= kinds
+    # the state never reaches the device
+    assert res.peak_bytes["gpu"] <= tr.peak_live_bytes - sum(int(tr.sizes[h.state[0]]) for h in steps)
+
+
+def test_a_parameter_use_waits_for_its_update():
+    tr, hw = small()
+    slow = dataclasses.replace(hw, host_compute=dataclasses.replace(hw.host_compute, optimizer_bytes_per_s=1e8))
+    steps = host_steps_of(tr)
+    res = simulate(tr, slow, _plan(tr, slow, host_steps=steps))
+    w0 = _tensor(tr, "w0")
+    back = [t for t in res.transfers if t.kind == "host_param" and t.tensor == w0]
+    assert back and res.op_start_s[_op(tr, "lin0")] >= back[0].end_s - 1e-12
+    assert res.stall_s > 0.1  # 30 MB at 0.1 GB/s per update, three in a row
+
+
+def test_host_steps_need_a_host_compute_model():
+    tr, _ = small()
+    hw = simple_hw()
+    with pytest.raises(SimulationError, match="no host compute model"):
+        simulate(tr, hw, _plan(tr, hw, host_steps=host_steps_of(tr)))
+
+
+def test_pooled_and_parallel_refuse_the_levers():
+    from tierflow.simulate.parallel import DataParallel, rank_trace, simulate_parallel
+    from tierflow.simulate.pooled import simulate_pooled
+
+    tr, hw = small()
+    plan = _plan(tr, hw, recompute_candidates(tr)[:1])
+    with pytest.raises(SimulationError, match="pool"):
+        simulate_pooled(tr, hw, plan, pool="greedy")
+    dp = DataParallel.on(hw, 2)
+    with pytest.raises(SimulationError, match="data-parallel"):
+        simulate_parallel(rank_trace(tr, dp), hw, plan, dp)
+
+
+def test_a_chain_that_cannot_fit_fails_clearly():
+    from tierflow import Op, TensorInfo, Trace
+
+    mb = 1_000_000
+    ts = [TensorInfo(0, 10 * mb, "input"), TensorInfo(1, 300 * mb, "temporary"),
+          TensorInfo(2, 10 * mb, "activation"), TensorInfo(3, 10 * mb, "activation")]
+    ops = [Op("f1", "forward", 1e-3, (0,), (1,)), Op("f2", "forward", 1e-3, (1,), (2,)),
+           Op("gap", "forward", 1e-3, (0,), (3,)), Op("bwd", "backward", 1e-3, (2, 3, 0), ())]
+    tr = Trace(ops, ts, "wide-chain")
+    hw = simple_hw()
+    # re-making tensor 2 needs its input, the 300 MB temporary and itself at once (320
+    # MB), beside tensor 3, live there: 330 MB planned
+    r = Recompute((2,), (0, 1), 3)
+    assert simulate(tr, hw, _plan(tr, hw, [r], budget=330 * mb)).fits
+    with pytest.raises(PlanError, match=r"recompute 0 \(before op 3\): tier gpu over capacity while the chain runs"):
+        validate(_plan(tr, hw, [r], budget=325 * mb), tr, hw)
+    # unvalidated, the simulator evicts tensor 3 to make room, but cannot go below 320 MB
+    assert simulate(tr, hw, _plan(tr, hw, [r], budget=325 * mb), check_plan=False).fits
+    res = simulate(tr, hw, _plan(tr, hw, [r], budget=315 * mb), check_plan=False)
+    assert not res.fits and "recompute 0 (before op 3)" in res.error and math.isinf(res.time_s)
+
+
+# -- properties ---------------------------------------------------------------------
+
+
+@st.composite
+def lever_cases(draw):
+    tr = draw(lever_traces())
+    hw = host_hw(pcie_gbps=draw(st.sampled_from([1.0, 10.0])), host_gbps=draw(st.sampled_from([0.5, 5.0, 50.0])))
+    recomputes = pick_recomputes(draw, tr)
+    params = {h.param for h in host_steps_of(tr) if draw(st.booleans())}
+    steps = host_steps_of(tr, params)
+    return tr, hw, Plan("random", recomputes=tuple(recomputes), host_steps=tuple(steps))
+
+
+def _fit_budget(tr, hw, plan) -> Plan:
+    """The plan with the least budget it validates at: its planned peak plus the most
+    any chain adds while it runs (temporaries and what it re-creates)."""
+    res = validate(plan, tr, hw)
+    extra = max((int(sum(tr.sizes[list(chain_made(tr, r))])) for r in plan.recomputes), default=0)
+    return dataclasses.replace(plan, budget_bytes=float(res.tier_bytes["gpu"].max() + extra))
+
+
+@given(lever_cases())
+def test_random_lever_plans_validate_and_recompute_only_what_is_there(case):
+    tr, hw, plan = case
+    plan = _fit_budget(tr, hw, plan)
+    validate(plan, tr, hw)
+    # every outside input of every chain is live at its op, and no recompute drops it then
+    dropped = {}
+    for r in plan.recomputes:
+        for t in r.tensors:
+            u = tr.uses(t)
+            dropped[t] = (int(u[u < r.before_op].max()), r.before_op)
+    for r in plan.recomputes:
+        for x in chain_reads(tr, r):
+            assert tr.tensors[x].persistent or int(tr.birth[x]) < r.before_op
+            if x in dropped:
+                d, b = dropped[x]
+                assert not d < r.before_op <= b
+
+
+@given(lever_cases())
+def test_simulated_lever_plans_keep_invariants_and_are_deterministic(case):
+    tr, hw, plan = case
+    plan = _fit_budget(tr, hw, plan)
+    r = simulate(tr, hw, plan)
+    assert r.fits, r.error
+    check_invariants(tr, hw, plan, r, levers=True)
+    host_ops = {o for h in plan.host_steps for o in h.ops}
+    host_op_s = math.fsum(tr.ops[o].duration_s for o in host_ops)
+    recompute_s = math.fsum(tr.ops[o].duration_s for c in plan.recomputes for o in c.ops)
+    assert math.isclose(r.recompute_s, recompute_s, abs_tol=1e-12)
+    assert r.time_s >= tr.ideal_s + recompute_s - host_op_s - 1e-9
+    again = simulate(tr, hw, plan)
+    # (repr: a copy still in flight when the simulation ends has end_s nan, != itself)
+    assert repr(again.to_dict()) == repr(r.to_dict()) and repr(again.transfers) == repr(r.transfers)
+    assert repr(again.recomputes) == repr(r.recomputes) and repr(again.host_steps) == repr(r.host_steps)
+
+
+@given(lever_cases(), st.floats(0.3, 1.0))
+def test_squeezed_lever_plans_never_exceed_the_budget(case, share):
+    """Below the planned peak the simulator evicts on demand; it never goes over."""
+    from tierflow.policies import min_working_set
+
+    tr, hw, plan = case
+    need, _ = min_working_set(tr)
+    fitted = _fit_budget(tr, hw, plan).budget_bytes
+    plan = dataclasses.replace(plan, budget_bytes=float(max(need, int(fitted * share))))
+    r = simulate(tr, hw, plan, check_plan=False)
+    check_invariants(tr, hw, plan, r, levers=True)
