@@ -66,7 +66,7 @@ _LOOP_MARGIN = 0.005
 
 # Whether the simulator prices Recompute and HostStep records (then plans are scored as
 # mapped back; see the module docstring).
-LEVERS_SIMULATED = False
+LEVERS_SIMULATED = True
 
 # Traces the work budget buys this many simulations of also get the move-only pipeline
 # on the original trace (see step 3).

@@ -410,7 +410,8 @@ class Lowered:
         original ids, plus the recompute and host-step records. A move of a re-created
         tensor or a chain temporary is dropped; one issued after a re-run op is issued
         after the op before its chain (a prefetch) or after the op it runs before (an
-        eviction, dropped if the tensor dies there)."""
+        eviction, dropped if the tensor dies there); a prefetch needed by a re-run op
+        is needed by the op its chain runs before (where the chain reads it)."""
         tr = self.original
         moves = []
         for m in lowered_plan.moves:
@@ -431,12 +432,9 @@ class Lowered:
             need = m.needed_by
             if need is not None:
                 nb = int(self.op_of[need])
-                if nb < 0:
-                    b = int(self.before_of[need])
-                    uses = tr.uses(t)
-                    later = uses[uses >= b]
-                    nb = int(later[0]) if later.size else int(uses[0])
-                need = nb
+                # needed by a re-run op: by the op its chain runs before, where the
+                # chain reads it (a use of it, as the validator counts uses)
+                need = nb if nb >= 0 else int(self.before_of[need])
             moves.append(Move(m.kind, t, a, m.tier, need))
         return Plan(policy, tuple(moves), budget_bytes=lowered_plan.budget_bytes,
                     reactive=lowered_plan.reactive, frees_dead=lowered_plan.frees_dead,
