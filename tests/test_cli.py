@@ -57,6 +57,22 @@ def test_hardware_list_and_show(capsys):
     assert 'name = "g10-a100"' in capsys.readouterr().out
 
 
+def test_hardware_show_and_list_json_carry_host_compute(capsys, tmp_path):
+    import json
+
+    assert main(["hardware", "show", "rtx4090-24g"]) == 0
+    shown = capsys.readouterr().out
+    assert "[host_compute]\noptimizer_gbps = 22.6\n" in shown
+    # what show prints reads back, host_compute included
+    (tmp_path / "box.toml").write_text(shown.replace("optimizer_gbps = 22.6", "optimizer_gbps = 7.5"))
+    assert main(["hardware", "show", str(tmp_path / "box.toml")]) == 0
+    assert "optimizer_gbps = 7.5" in capsys.readouterr().out
+    assert main(["hardware", "list", "--json"]) == 0
+    listed = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert listed["g10-a100"]["host_compute"]["optimizer_bytes_per_s"] == 22.6e9
+    assert "PR #735" in listed["g10-a100"]["host_compute"]["source"]
+
+
 def test_demo_runs_and_explains(capsys):
     # the synthetic trace and two policies keep this quick; make demo runs the full set
     assert main(["demo", "--synthetic", "--policies", "ideal,deepum", "--no-train"]) == 0

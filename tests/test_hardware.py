@@ -71,3 +71,92 @@ def test_bad_toml_names_the_field(tmp_path, change, message):
 def test_unknown_preset():
     with pytest.raises(HardwareError, match="neither a hardware preset"):
         load_hardware("quantum-9000")
+
+
+# -- [host_compute]: what the host computes --------------------------------------------
+
+
+def test_every_preset_has_a_cited_host_optimizer_rate():
+    for name in preset_names():
+        hc = load_hardware(name).host_compute
+        assert hc is not None and math.isfinite(hc.optimizer_bytes_per_s) and hc.optimizer_bytes_per_s > 0, name
+        assert "PR #735" in hc.source, name
+
+
+@pytest.mark.parametrize("name", ["g10-a100", "cpu-dram-pmem"])
+def test_host_compute_round_trips_through_toml(name):
+    hw = load_hardware(name)
+    assert hardware_from_toml(hw.to_toml()).host_compute == hw.host_compute
+
+
+def test_host_compute_source_with_quotes_round_trips():
+    import dataclasses
+
+    from tierflow.hardware import HostCompute
+
+    hw = dataclasses.replace(load_hardware("g10-a100"), host_compute=HostCompute(3.5e9, 'my "box", measured\\today'))
+    again = hardware_from_toml(hw.to_toml())
+    assert again.host_compute == HostCompute(3.5e9, 'my "box", measured\\today')
+
+
+def test_host_compute_is_optional():
+    text = load_hardware("g10-a100").to_toml()
+    bare = text[: text.index("[host_compute]")]
+    hw = hardware_from_toml(bare)
+    assert hw.host_compute is None and "[host_compute]" not in hw.to_toml()
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ("optimizer_gbps = 0", r"\[host_compute\]: field 'optimizer_gbps' must be a finite number > 0, got 0.0"),
+        ("optimizer_gbps = -3", r"field 'optimizer_gbps' must be a finite number > 0"),
+        ("optimizer_gbps = inf", r"field 'optimizer_gbps' must be a finite number > 0, got inf"),
+        ("optimizer_gbps = nan", r"field 'optimizer_gbps' must be a finite number > 0, got nan"),
+        ('optimizer_gbps = "fast"', r"\[host_compute\]: field 'optimizer_gbps' must be a number, got 'fast'"),
+        ("source = 'x'", r"\[host_compute\]: missing field 'optimizer_gbps'"),
+        ("optimizer_gbps = 5\nsource = 3", r"field 'source' must be a string, got 3"),
+        ("optimizer_gpbs = 5", r"\[host_compute\]: unknown field 'optimizer_gpbs'"),
+    ],
+)
+def test_bad_host_compute_names_file_table_and_field(tmp_path, section, message):
+    text = load_hardware("g10-a100").to_toml()
+    text = text[: text.index("[host_compute]")] + "[host_compute]\n" + section + "\n"
+    path = tmp_path / "box.toml"
+    path.write_text(text)
+    with pytest.raises(HardwareError, match=message) as e:
+        load_hardware(path)
+    assert str(e.value).startswith(f"{path} [host_compute]:")
+
+
+def test_host_compute_must_be_a_table():
+    text = load_hardware("g10-a100").to_toml()
+    text = 'host_compute = 5\n' + text[: text.index("[host_compute]")]
+    with pytest.raises(HardwareError, match=r"\[host_compute\]: must be a table"):
+        hardware_from_toml(text)
+
+
+def test_constructed_hardware_checks_host_compute():
+    import dataclasses
+
+    from tierflow.hardware import HostCompute
+
+    with pytest.raises(HardwareError, match=r"\[host_compute\]: field 'optimizer_gbps' must be a finite number > 0"):
+        dataclasses.replace(load_hardware("g10-a100"), host_compute=HostCompute(float("nan")))
+
+
+def test_measured_host_optimizer_rate_is_finite_and_positive():
+    from tierflow.capture.host import measure_host_optimizer
+
+    hc = measure_host_optimizer((1024, 4096), repeats=1, params_per_size=2, threads=1)
+    assert math.isfinite(hc.optimizer_bytes_per_s) and hc.optimizer_bytes_per_s > 0
+    assert hc.source.startswith("measured: torch") and "1 threads" in hc.source and "4096 x2" in hc.source
+
+
+@pytest.mark.parametrize("kwargs", [{"sizes": ()}, {"sizes": (0,)}, {"repeats": 0}, {"params_per_size": 0},
+                                    {"threads": 0}])
+def test_measure_host_optimizer_rejects_bad_arguments(kwargs):
+    from tierflow.capture.host import measure_host_optimizer
+
+    with pytest.raises(HardwareError, match="measure_host_optimizer"):
+        measure_host_optimizer(**kwargs)

@@ -96,3 +96,54 @@ def test_derived_views_are_numpy():
     t = chain_trace()
     assert isinstance(t.sizes, np.ndarray) and t.sizes.dtype == np.int64
     assert t.op_start_s[-1] == pytest.approx(t.ideal_s)
+
+
+def _recompute_trace() -> Trace:
+    ts = [TensorInfo(0, 8, "parameter", True, "w"), TensorInfo(1, 8, "input"), TensorInfo(2, 8, "activation"),
+          TensorInfo(3, 8, "temporary")]
+    return Trace([Op("aten::mm", "forward", 1.0, (1, 0), (2,), scope="blocks.0.mlp"),
+                  Op("aten::bernoulli_", "forward", 1.0, (2,), (2,), scope="blocks.0.drop", rng=True),
+                  Op("aten::mm", "backward", 1.0, (2, 0), (3,), scope=""),
+                  Op("aten::add_", "optimizer", 1.0, (0, 3), (0,), pure=False)], ts)
+
+
+def test_version_2_round_trip_keeps_scope_rng_and_pure(tmp_path):
+    t = _recompute_trace()
+    data = json.loads(t.save(tmp_path / "t.json").read_text())
+    assert data["version"] == 2
+    # written only where they differ from the default
+    assert [sorted(set(o) - {"name", "phase", "duration_s", "inputs", "outputs"}) for o in data["ops"]] == [
+        ["scope"], ["rng", "scope"], ["scope"], ["pure"]]
+    assert load_trace(tmp_path / "t.json") == t
+
+
+def test_version_1_file_loads_with_defaults(tmp_path):
+    data = _recompute_trace().to_dict()
+    data["version"] = 1
+    for o in data["ops"]:
+        for k in ("scope", "rng", "pure"):
+            o.pop(k, None)
+    (tmp_path / "v1.json").write_text(json.dumps(data))
+    t = load_trace(tmp_path / "v1.json")
+    assert [(o.scope, o.rng, o.pure) for o in t.ops] == [(None, False, True)] * 4
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("scope", 3, r"op 1: field 'scope' must be a str, got 3"),
+    ("rng", "yes", r"op 1: field 'rng' must be a bool, got 'yes'"),
+    ("pure", 0, r"op 1: field 'pure' must be a bool, got 0"),
+])
+def test_bad_recompute_field_names_file_op_and_field(tmp_path, field, value, message):
+    data = _recompute_trace().to_dict()
+    data["ops"][1][field] = value
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(TraceError, match=r"bad\.json: " + message):
+        load_trace(tmp_path / "bad.json")
+
+
+def test_constructed_op_with_bad_recompute_field_is_rejected():
+    ts = [TensorInfo(0, 8, "activation")]
+    with pytest.raises(TraceError, match=r"op 0 \(x\): field 'scope' must be a string or None"):
+        Trace([Op("x", "forward", 1.0, (0,), scope=1)], ts)
+    with pytest.raises(TraceError, match=r"op 0 \(x\): field 'rng' must be a bool"):
+        Trace([Op("x", "forward", 1.0, (0,), rng=1)], ts)

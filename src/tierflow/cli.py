@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("hardware", help="list or show hardware presets")
     hsub = p.add_subparsers(dest="hw_command", metavar="ACTION")
     hsub.required = True
-    hsub.add_parser("list", help="list presets").set_defaults(func=cmd_hardware_list)
+    hl = hsub.add_parser("list", help="list presets")
+    hl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    hl.set_defaults(func=cmd_hardware_list)
     hs = hsub.add_parser("show", help="show a preset or TOML file (printed as TOML)")
     hs.add_argument("name")
     hs.set_defaults(func=cmd_hardware_show)
@@ -381,13 +383,26 @@ def cmd_hardware_list(args: argparse.Namespace) -> int:
 
     from .hardware import load_hardware, preset_names
 
+    machines = [load_hardware(name) for name in preset_names()]
+    if getattr(args, "json", False):
+        u.print_json([{
+            "name": hw.name,
+            "device": hw.device,
+            "description": hw.description,
+            "tiers": {t.name: {"kind": t.kind, "capacity_bytes": t.capacity} for t in hw.tiers},
+            "host_compute": None if hw.host_compute is None else {
+                "optimizer_bytes_per_s": hw.host_compute.optimizer_bytes_per_s,
+                "source": hw.host_compute.source,
+            },
+        } for hw in machines])
+        return 0
     table = Table(title="hardware presets")
-    for col in ("name", "device", "tiers", "description"):
+    for col in ("name", "device", "tiers", "host optimizer", "description"):
         table.add_column(col)
-    for name in preset_names():
-        hw = load_hardware(name)
+    for hw in machines:
         tiers = ", ".join(f"{t.name} {fmt_bytes(t.capacity)}" for t in hw.tiers)
-        table.add_row(name, hw.device, tiers, hw.description)
+        host = "-" if hw.host_compute is None else f"{hw.host_compute.optimizer_bytes_per_s / 1e9:.1f} GB/s"
+        table.add_row(hw.name, hw.device, tiers, host, hw.description)
     u.console().print(table)
     return 0
 

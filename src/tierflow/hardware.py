@@ -32,11 +32,23 @@ of the same form (``tierflow hardware show g10-a100`` prints one to start from):
     name = "nvlink3"
     gbps = 300                          # per direction, per GPU, effective (ring algbw)
     latency_us = 5                      # per ring hop
+    [host_compute]                      # optional: optimizer steps run on the host
+    optimizer_gbps = 22.6               # decimal GB/s of parameter+gradient+state bytes
+    source = "DeepSpeed PR #735: ..."   # where the figure comes from
+
+``[host_compute]`` is what a ``HostStep`` costs: ``optimizer_gbps`` is how many bytes of
+parameter, gradient and optimizer state a host optimizer update gets through per
+second, each tensor's bytes counted once (fp32 Adam: 4 + 4 + 8 = 16 bytes a parameter;
+the DRAM traffic is larger, 16 bytes read and 12 written). Its keys are checked: a
+misspelt one is an error, not a silently missing figure. The presets' figures and
+their sources are in the preset files;
+:func:`tierflow.capture.host.measure_host_optimizer` measures this machine's CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -296,6 +308,11 @@ class Hardware:
                 lines.append(f"latency_us = {num(ic.latency_s * 1e6)}")
             if ic.buses:
                 lines.append("buses = [" + ", ".join(f'"{b}"' for b in ic.buses) + "]")
+        if self.host_compute is not None:
+            hc = self.host_compute
+            lines += ["", "[host_compute]", f"optimizer_gbps = {num(hc.optimizer_bytes_per_s / 1e9)}"]
+            if hc.source:
+                lines.append(f"source = {json.dumps(hc.source)}")  # a JSON string is a TOML basic string
         return "\n".join(lines) + "\n"
 
 
@@ -351,6 +368,14 @@ def _check(hw: Hardware) -> None:
         for b in ic.buses:
             if b not in hw.buses:
                 raise HardwareError(f"{where}: [interconnect]: bus {b!r} is not declared under [buses]")
+    hc = hw.host_compute
+    if hc is not None:
+        v = hc.optimizer_bytes_per_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise HardwareError(f"{where}: [host_compute]: field 'optimizer_gbps' must be a finite number > 0, "
+                                f"got {v / 1e9 if isinstance(v, (int, float)) else v!r}")
+        if not isinstance(hc.source, str):
+            raise HardwareError(f"{where}: [host_compute]: field 'source' must be a string, got {hc.source!r}")
 
 
 # -- loading ----------------------------------------------------------------------------
@@ -494,4 +519,27 @@ def _from_dict(data: dict, source: str) -> Hardware:
         fault_latency_s=_num(data, "fault_latency_us", source, 0.0) * 1e-6,
         description=str(data.get("description", "")),
         interconnect=interconnect,
+        host_compute=_host_compute(data, source),
     )
+
+
+_HOST_COMPUTE_KEYS = ("optimizer_gbps", "source")
+
+
+def _host_compute(data: dict, source: str) -> HostCompute | None:
+    if "host_compute" not in data:
+        return None
+    hc = data["host_compute"]
+    where = f"{source} [host_compute]"
+    if not isinstance(hc, dict):
+        raise HardwareError(f"{where}: must be a table")
+    unknown = sorted(set(hc) - set(_HOST_COMPUTE_KEYS))
+    if unknown:
+        raise HardwareError(f"{where}: unknown field {unknown[0]!r} (fields: {', '.join(_HOST_COMPUTE_KEYS)})")
+    gbps = _num(hc, "optimizer_gbps", where)
+    if not math.isfinite(gbps) or gbps <= 0:
+        raise HardwareError(f"{where}: field 'optimizer_gbps' must be a finite number > 0, got {gbps!r}")
+    src = hc.get("source", "")
+    if not isinstance(src, str):
+        raise HardwareError(f"{where}: field 'source' must be a string, got {src!r}")
+    return HostCompute(optimizer_bytes_per_s=gbps * 1e9, source=src)

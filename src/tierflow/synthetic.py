@@ -5,6 +5,13 @@ get a realistic shape (weights reused in forward, backward and the optimizer ste
 activations saved in forward and consumed in reverse; AdamW state that lives across
 iterations) without PyTorch. Op times come from a roofline: ``max(flops / peak,
 bytes / memory bandwidth)`` on the hardware's compute device.
+
+Ops carry what recompute policies read (:class:`tierflow.trace.Op`): module scopes as a
+captured model of the same shape would have them (``wte``, ``blocks.N.attn``,
+``blocks.N.mlp``, ``lm_head``; a backward op the scope of the forward op it
+differentiates; optimizer ops none), ``rng`` on the dropout ops :func:`gpt_trace`
+adds when asked, and ``pure=False`` on optimizer updates, which rewrite weights and
+state in place. :func:`training_trace` scopes its layers ``layers.N``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ def gpt_trace(
     seq: int = 1024,
     vocab: int = 50304,
     dtype_bytes: int = 2,
+    dropout: bool = False,
 ) -> Trace:
     """One training iteration (forward, backward, AdamW step) of a GPT-style decoder.
 
@@ -33,9 +41,21 @@ def gpt_trace(
         hardware: its compute peak and memory bandwidth set the op times.
         layers, d_model, batch, seq, vocab: the model and batch shape.
         dtype_bytes: 2 (bf16, tensor-core peak) or 4 (fp32 peak).
+        dropout: add GPT-2's residual dropout after each block's attention projection
+            and MLP: a forward op that draws a one-byte-per-element mask (``rng``),
+            saved for its backward op. Off by default, as in the zoo models.
 
     Returns:
-        A :class:`Trace` named ``gpt-L{layers}-d{d_model}-b{batch}x{seq}``.
+        A :class:`Trace` named ``gpt-L{layers}-d{d_model}-b{batch}x{seq}`` (with
+        ``-dropout`` appended when ``dropout``).
+
+    Example:
+        >>> from tierflow.hardware import load_hardware
+        >>> tr = gpt_trace(load_hardware("g10-a100"), layers=2, d_model=256, batch=2, seq=128, dropout=True)
+        >>> sorted({o.scope for o in tr.ops if o.phase == "forward"})
+        ['blocks.0.attn', 'blocks.0.mlp', 'blocks.1.attn', 'blocks.1.mlp', 'lm_head', 'wte']
+        >>> [o.scope for o in tr.ops if o.rng]
+        ['blocks.0.attn', 'blocks.0.mlp', 'blocks.1.attn', 'blocks.1.mlp']
     """
     peak = hardware.compute.peak_flops_bf16 if dtype_bytes == 2 else hardware.compute.peak_flops_fp32
     mem_bw = hardware.compute.mem_bandwidth
@@ -48,9 +68,17 @@ def gpt_trace(
         tensors.append(TensorInfo(len(tensors), int(nbytes), kind, persistent, name))
         return len(tensors) - 1
 
-    def op(name: str, phase: str, flops: float, ins: tuple[int, ...], outs: tuple[int, ...]) -> None:
+    def op(name: str, phase: str, flops: float, ins: tuple[int, ...], outs: tuple[int, ...],
+           scope: str | None, rng: bool = False, pure: bool = True) -> None:
         moved = sum(tensors[t].bytes for t in set(ins + outs))
-        ops.append(Op(name, phase, max(flops / peak, moved / mem_bw), ins, outs))
+        ops.append(Op(name, phase, max(flops / peak, moved / mem_bw), ins, outs, scope=scope, rng=rng, pure=pure))
+
+    def drop(i: int, part: str, x: int) -> tuple[int, int]:
+        """Residual dropout on ``x``: its output and the mask saved for backward."""
+        mask = tensor(tokens * d, "activation", f"h{i}.{part}.mask")
+        y = tensor(act, "activation", f"h{i}.{part}.drop")
+        op(f"h{i}.{part}.dropout", "forward", 0, (x,), (y, mask), f"blocks.{i}.{part}", rng=True)
+        return y, mask
 
     act = tokens * d * dtype_bytes
     ids = tensor(tokens * 8, "input", "input_ids")
@@ -60,58 +88,74 @@ def gpt_trace(
 
     # forward: each layer saves its input and four intermediates for backward
     x = tensor(act, "activation", "x0")
-    op("embedding", "forward", 0, (ids, emb), (x,))
+    op("embedding", "forward", 0, (ids, emb), (x,), "wte")
     saved = []
+    masks: list[tuple[int, int]] = []
     for i, p in enumerate(params):
+        attn, mlp = f"blocks.{i}.attn", f"blocks.{i}.mlp"
         qkv = tensor(3 * act, "activation", f"h{i}.qkv")
-        op(f"h{i}.qkv", "forward", 2 * tokens * d * 3 * d, (x, p["qkv"]), (qkv,))
+        op(f"h{i}.qkv", "forward", 2 * tokens * d * 3 * d, (x, p["qkv"]), (qkv,), attn)
         ctx = tensor(act, "activation", f"h{i}.ctx")
-        op(f"h{i}.attn", "forward", 4 * tokens * seq * d, (qkv,), (ctx,))
+        op(f"h{i}.attn", "forward", 4 * tokens * seq * d, (qkv,), (ctx,), attn)
         h = tensor(act, "activation", f"h{i}.h")
-        op(f"h{i}.proj", "forward", 2 * tokens * d * d, (ctx, p["proj"], x), (h,))
+        op(f"h{i}.proj", "forward", 2 * tokens * d * d, (ctx, p["proj"], x), (h,), attn)
+        if dropout:
+            h, m_attn = drop(i, "attn", h)
         u = tensor(4 * act, "activation", f"h{i}.fc")
-        op(f"h{i}.fc", "forward", 8 * tokens * d * d, (h, p["fc"]), (u,))
+        op(f"h{i}.fc", "forward", 8 * tokens * d * d, (h, p["fc"]), (u,), mlp)
         nxt = tensor(act, "activation", f"x{i + 1}")
-        op(f"h{i}.out", "forward", 8 * tokens * d * d, (u, p["out"], h), (nxt,))
+        op(f"h{i}.out", "forward", 8 * tokens * d * d, (u, p["out"], h), (nxt,), mlp)
+        if dropout:
+            nxt, m_mlp = drop(i, "mlp", nxt)
+            masks.append((m_attn, m_mlp))
         saved.append((x, qkv, ctx, h, u))
         x = nxt
     logits = tensor(tokens * vocab * dtype_bytes, "temporary", "logits")
-    op("lm_head+loss", "forward", 2 * tokens * d * vocab, (x, emb), (logits,))
+    op("lm_head+loss", "forward", 2 * tokens * d * vocab, (x, emb), (logits,), "lm_head")
 
     # backward, in reverse; weight gradients are born here and die at the optimizer
     grads: dict[int, int] = {}
     dx = tensor(act, "activation", f"dx{layers}")
     g_emb = tensor(tensors[emb].bytes, "gradient", "wte.grad")
     grads[emb] = g_emb
-    op("lm_head.backward", "backward", 4 * tokens * d * vocab, (logits, x, emb), (dx, g_emb))
+    op("lm_head.backward", "backward", 4 * tokens * d * vocab, (logits, x, emb), (dx, g_emb), "lm_head")
     for i in reversed(range(layers)):
         p = params[i]
+        attn, mlp = f"blocks.{i}.attn", f"blocks.{i}.mlp"
         xi, qkv, ctx, h, u = saved[i]
         g = {k: tensor(tensors[w].bytes, "gradient", f"h{i}.{k}.grad") for k, w in p.items()}
         grads.update({p[k]: g[k] for k in p})
+        if dropout:
+            dy = tensor(act, "activation", f"h{i}.mlp.ddrop")
+            op(f"h{i}.mlp.dropout.backward", "backward", 0, (dx, masks[i][1]), (dy,), mlp)
+            dx = dy
         du = tensor(4 * act, "activation", f"h{i}.dfc")
-        op(f"h{i}.out.backward", "backward", 16 * tokens * d * d, (dx, u, p["out"]), (du, g["out"]))
+        op(f"h{i}.out.backward", "backward", 16 * tokens * d * d, (dx, u, p["out"]), (du, g["out"]), mlp)
         dh = tensor(act, "activation", f"h{i}.dh")
-        op(f"h{i}.fc.backward", "backward", 16 * tokens * d * d, (du, h, p["fc"], dx), (dh, g["fc"]))
+        op(f"h{i}.fc.backward", "backward", 16 * tokens * d * d, (du, h, p["fc"], dx), (dh, g["fc"]), mlp)
+        if dropout:
+            dy = tensor(act, "activation", f"h{i}.attn.ddrop")
+            op(f"h{i}.attn.dropout.backward", "backward", 0, (dh, masks[i][0]), (dy,), attn)
+            dh = dy
         dctx = tensor(act, "activation", f"h{i}.dctx")
-        op(f"h{i}.proj.backward", "backward", 4 * tokens * d * d, (dh, ctx, p["proj"]), (dctx, g["proj"]))
+        op(f"h{i}.proj.backward", "backward", 4 * tokens * d * d, (dh, ctx, p["proj"]), (dctx, g["proj"]), attn)
         dqkv = tensor(3 * act, "activation", f"h{i}.dqkv")
-        op(f"h{i}.attn.backward", "backward", 8 * tokens * seq * d, (dctx, qkv), (dqkv,))
+        op(f"h{i}.attn.backward", "backward", 8 * tokens * seq * d, (dctx, qkv), (dqkv,), attn)
         dxi = tensor(act, "activation", f"dx{i}")
-        op(f"h{i}.qkv.backward", "backward", 12 * tokens * d * d, (dqkv, xi, p["qkv"], dh), (dxi, g["qkv"]))
+        op(f"h{i}.qkv.backward", "backward", 12 * tokens * d * d, (dqkv, xi, p["qkv"], dh), (dxi, g["qkv"]), attn)
         dx = dxi
-    op("embedding.backward", "backward", 0, (dx, ids, g_emb), (g_emb,))
+    op("embedding.backward", "backward", 0, (dx, ids, g_emb), (g_emb,), "wte")
 
     # AdamW: two fp32 moments per parameter, updated in place
     for w, gw in grads.items():
         n_elems = tensors[w].bytes // dtype_bytes
         m = tensor(n_elems * 4, "optimizer_state", f"{tensors[w].name}.exp_avg", True)
         v = tensor(n_elems * 4, "optimizer_state", f"{tensors[w].name}.exp_avg_sq", True)
-        op(f"adamw.{tensors[w].name}", "optimizer", 12 * n_elems, (w, gw, m, v), (w, m, v))
+        op(f"adamw.{tensors[w].name}", "optimizer", 12 * n_elems, (w, gw, m, v), (w, m, v), None, pure=False)
     return Trace(
         ops,
         tensors,
-        name=f"gpt-L{layers}-d{d_model}-b{batch}x{seq}",
+        name=f"gpt-L{layers}-d{d_model}-b{batch}x{seq}" + ("-dropout" if dropout else ""),
         meta={"source": "synthetic", "hardware": hardware.name, "dtype_bytes": dtype_bytes},
     )
 
@@ -153,23 +197,24 @@ def training_trace(layers: int, sizes_mb: list[int], durations_ms: list[int], na
     weights = [tensor("parameter", True) for _ in range(layers)]
     x = tensor("input")
     saved = []
-    for w in weights:
+    for i, w in enumerate(weights):
         y = tensor("activation")
-        ops.append(Op("fwd", "forward", dur(), (x, w), (y,)))
+        ops.append(Op("fwd", "forward", dur(), (x, w), (y,), scope=f"layers.{i}"))
         saved.append(x)
         x = y
     dy = tensor("activation")
     ops.append(Op("loss", "forward", dur(), (x,), (dy,)))
     grads = []
-    for w, a in zip(reversed(weights), reversed(saved)):
+    for i in reversed(range(layers)):
+        w, a = weights[i], saved[i]
         g = tensor("gradient")
         dx = tensor("activation")
-        ops.append(Op("bwd", "backward", dur(), (dy, a, w), (g, dx)))
+        ops.append(Op("bwd", "backward", dur(), (dy, a, w), (g, dx), scope=f"layers.{i}"))
         grads.append((w, g))
         dy = dx
     ops.append(Op("bwd_end", "backward", dur(), (dy,), ()))
     for w, g in grads:
-        ops.append(Op("step", "optimizer", dur(), (w, g), (w,)))
+        ops.append(Op("step", "optimizer", dur(), (w, g), (w,), pure=False))
     return Trace(ops, tensors, name)
 
 

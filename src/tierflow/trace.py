@@ -21,6 +21,24 @@ File format (``tierflow-trace`` version 2), JSON, gzipped when the name ends in 
 Version 2 added the three op fields recompute needs (``scope``, ``rng``, ``pure``); each
 is optional and written only when it differs from its default. Version 1 files still
 load: their ops have no scope, draw no random numbers and are pure.
+
+Where the fields come from: :func:`tierflow.capture.capture` records all three
+(:mod:`tierflow.capture.scope`, :mod:`tierflow.capture.opflags`);
+:func:`tierflow.synthetic.gpt_trace` gives its ops ``blocks.N.attn``/``blocks.N.mlp``
+scopes; G10 workloads (:mod:`tierflow.formats.g10`) and version 1 files have none.
+
+The contract for recompute policies on a trace without scopes (no op has one: a G10
+workload, a version 1 file): they must not fail and must not guess module boundaries
+from op names; a policy that segments the forward pass into blocks (activation
+checkpointing) then falls back to Chen et al.'s ``sqrt(n)`` segmentation of the
+forward ops in execution order ("Training Deep Nets with Sublinear Memory Cost",
+2016), and a policy that needs scopes and has no such fallback plans no recompute
+(moves only) and says so in its plan's ``meta``. ``rng`` and ``pure`` keep their
+defaults there (draws nothing, pure) because G10's kernel lists say nothing of either,
+not because they were checked: a policy recomputes only forward-phase ops on such a
+trace (G10's ``Apply_Grad`` kernels, in the optimizer phase, do update the weights).
+On a captured trace, ops with scope ``None`` (the loss outside the model, the
+optimizer step) belong to no block.
 """
 
 from __future__ import annotations
@@ -80,14 +98,21 @@ class Op:
         duration_s: its time on the compute stream.
         inputs, outputs: tensor ids it reads and writes (an in-place update lists the
             tensor in both).
-        scope: the ``nn.Module`` path it ran under (``blocks.3.mlp``; ``""`` for the
-            root module), or ``None`` where the trace does not know (G10 workloads).
-            Recompute policies group ops into blocks by it.
+        scope: the path (as in ``model.named_modules()``) of the innermost
+            ``nn.Module`` it ran under (``blocks.3.mlp``; ``""`` for the model itself);
+            a backward op has the scope of the forward op it differentiates. ``None``
+            where it ran under no module of the model (a loss computed outside it, the
+            optimizer step) or the trace does not know (G10 workloads). Recompute
+            policies group ops into blocks by it.
         rng: it draws random numbers (dropout, ``rand``): re-running it gives the same
             values only with the RNG state it first ran with restored.
         pure: re-running it has no effect beyond re-creating its outputs (no in-place
-            update of a tensor that outlives it, no I/O, no collective): safe to
-            recompute.
+            update of state that outlives the iteration: parameters, buffers such as
+            batch-norm running statistics, optimizer state, gradients, the batch; no
+            collective): safe to recompute. An in-place op on a tensor an earlier op of
+            the iteration made (dropout's ``bernoulli_`` into its ``empty_like``, an
+            in-place ReLU) is pure, but lists that tensor as input and output, so a
+            chain that re-runs it must re-run the op that made the tensor first.
     """
 
     name: str
@@ -367,6 +392,11 @@ def _validate(trace: Trace) -> None:
         d = o.duration_s
         if not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
             raise TraceError(f"op {j} ({o.name}): field 'duration_s' must be a finite number >= 0, got {d!r}")
+        if o.scope is not None and not isinstance(o.scope, str):
+            raise TraceError(f"op {j} ({o.name}): field 'scope' must be a string or None, got {o.scope!r}")
+        for fld in ("rng", "pure"):
+            if not isinstance(getattr(o, fld), bool):
+                raise TraceError(f"op {j} ({o.name}): field '{fld}' must be a bool, got {getattr(o, fld)!r}")
         for fld in ("inputs", "outputs"):
             for t in getattr(o, fld):
                 if not isinstance(t, (int, np.integer)) or not 0 <= t < n:

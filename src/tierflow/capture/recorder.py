@@ -53,6 +53,8 @@ from ..errors import TraceError
 from ..hardware import Hardware, load_hardware
 from ..trace import Op, TensorInfo, Trace
 from . import cost
+from .opflags import draws_random, has_side_effects, writes
+from .scope import ScopeTracker
 
 DEFAULT_HARDWARE = "h100-80g-pcie5-nvme"
 
@@ -81,6 +83,10 @@ class _Rec:
     inputs: list[int]
     outputs: list[int]
     events: tuple[Any, Any] | None = None
+    scope: str | None = None
+    rng: bool = False
+    side_effects: bool = False
+    written: list[_Slot] = field(default_factory=list)  # tensors it updates in place
 
 
 @dataclass
@@ -98,6 +104,7 @@ class _State:
     probe_cuda: bool = False  # measure per-op workspace from the CUDA allocator's peak
     probe: list[str] | None = None  # op names of a profiled probe iteration (CPU workspace)
     workspace: list[int] = field(default_factory=list)  # per recorded op: transient bytes inside it
+    scopes: ScopeTracker | None = None  # module scope of each op, while recording
 
     def slot(self, t: torch.Tensor, produced_by: str | None) -> _Slot | None:
         """The slot of ``t``'s storage (created on first sight), or None if ``t`` lives
@@ -156,7 +163,12 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.s
-        if s.quiet or func is _DETACH:
+        if s.quiet:
+            return func(*args, **kwargs)
+        # every op the model dispatches, detach included, so autograd nodes made since
+        # the previous one are tied to the module they were made in
+        scope = s.scopes.scope() if s.scopes is not None else None
+        if func is _DETACH:
             return func(*args, **kwargs)
         name = func._schema.name
         if s.probe is not None:
@@ -168,7 +180,7 @@ class _Mode(TorchDispatchMode):
             torch.cuda.reset_peak_memory_stats(s.device)
         in_tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         ins = [s.slot(t, None) for t in in_tensors]
-        written = _written_args(func, args, kwargs)
+        written = writes(func, args, kwargs)
         events = None
         if s.timing == "measured" and s.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -188,7 +200,8 @@ class _Mode(TorchDispatchMode):
             dur = _modelled(func, args, kwargs, out, s) if (in_tensors or _has_tensor(out)) else 0.0
         label = f"{name}#{len(s.ops)}"
         outs = [s.slot(t, label) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        outs += [s.slot(t, None) for t in written]
+        written_slots = [s.slot(t, None) for t in written]
+        outs += written_slots
         s.ops.append(
             _Rec(
                 name=name,
@@ -197,6 +210,12 @@ class _Mode(TorchDispatchMode):
                 inputs=_ids(s, ins),
                 outputs=_ids(s, outs),
                 events=events,
+                scope=scope,
+                rng=draws_random(func, args, kwargs),
+                # writing a tensor off the recorded device (the CPU step counter of a
+                # GPU or meta model's optimizer) changes state the trace cannot see
+                side_effects=has_side_effects(func) or any(w is None for w in written_slots),
+                written=[w for w in written_slots if w is not None],
             )
         )
         return out
@@ -215,17 +234,6 @@ def _modelled(func, args, kwargs, out, s: _State) -> float:
 
 def _ids(s: _State, slots: list[_Slot | None]) -> list[int]:
     return list(dict.fromkeys(s.tid(x) for x in slots if x is not None))
-
-
-def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensor arguments the op writes (in-place ``self``, ``out=``), from its schema."""
-    out: list[torch.Tensor] = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        out += [x for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]
-    return out
 
 
 # -- running one iteration ---------------------------------------------------------------
@@ -505,8 +513,9 @@ def capture(
     if workspace and timing == "measured" and dev.type == "cpu":
         probe_names, probe_ws = _probe_cpu_workspace(state, lambda: one_iteration(False), pack)
     state.probe_cuda = workspace and timing == "measured" and dev.type == "cuda"
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Mode(state):
+    with ScopeTracker(model) as state.scopes, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Mode(state):
         one_iteration(True)
+    state.scopes = None
     if probe_names is not None:
         if probe_names == [r.name for r in state.ops]:
             state.workspace = probe_ws
@@ -569,6 +578,18 @@ def _label_grads(state: _State, model: torch.nn.Module) -> None:
         state.quiet = False
 
 
+# What a re-run must not write: state that outlives the iteration (weights, buffers,
+# optimizer state), gradients (accumulated across micro-batches), the batch, and
+# anything allocated outside an op. Writing a tensor an earlier op of the iteration made
+# (dropout's ``bernoulli_`` into its ``empty_like``, an in-place ReLU) is safe when the
+# op that made it is re-run too.
+_STATE_KINDS = ("parameter", "optimizer_state", "gradient", "input")
+
+
+def _is_state(s: _Slot) -> bool:
+    return s.kind in _STATE_KINDS or s.persistent or s.preexisting
+
+
 def _build(state: _State, model: torch.nn.Module, dev: torch.device, hw: Hardware | None, name: str,
            extra: dict[str, Any]) -> Trace:
     tensors = []
@@ -591,7 +612,8 @@ def _build(state: _State, model: torch.nn.Module, dev: torch.device, hw: Hardwar
             tensors.append(TensorInfo(id=tid, bytes=int(ws[j]), kind="temporary", name=f"<workspace {r.name}#{j}>"))
             outputs += (tid,)
         ops.append(Op(name=r.name, phase=r.phase, duration_s=max(0.0, float(d)),
-                      inputs=tuple(r.inputs), outputs=outputs))
+                      inputs=tuple(r.inputs), outputs=outputs, scope=r.scope, rng=r.rng,
+                      pure=not r.side_effects and not any(_is_state(w) for w in r.written)))
     n_params = sum(p.numel() for p in model.parameters())
     meta = {
         "source": "tierflow.capture",
