@@ -210,11 +210,23 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
             s1, p1, _, _ = improve_targeted(trace, hw, p1, s1, r1, rounds - used)
             if gains(s1, score):
                 plan, score = p1, s1
-    meta = dict(plan.meta)
+    # what competed here, each as simulated on this trace: moving's whole pipeline, the
+    # lever variants (after their loops) and the peers; a lever plan's own loop's seeds
+    # (scored on its lowered trace) are under levers["loop"]
+    lever_plan = seed == "levers"
+    inner = dict(plan.meta) if lever_plan else {}
+    meta = {} if lever_plan else dict(plan.meta)
+    candidates = ({"moves": m_score} if move_plan is not None else {})
+    candidates.update({v.label: v.score for v in variants})
+    candidates.update(peer_scores)
     meta.update({
         "seed": seed,
+        "seed_scores": candidates if lever_plan or seed in peer_scores else
+        {**candidates, **plan.meta.get("seed_scores", {})},
         "peer_scores": peer_scores,
         "levers": {
+            "loop": {k: inner[k] for k in ("seed", "seed_scores", "repaired_seeds", "repair_simulations")
+                     if k in inner},
             "variant": best.label if plan.recomputes or plan.host_steps else "moves only",
             "variants": {v.label: v.score for v in variants},
             "recomputes": len(plan.recomputes),
