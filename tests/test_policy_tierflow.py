@@ -36,7 +36,7 @@ def test_deterministic(gpt):
     budget = int(trace.peak_live_bytes * 0.5)
     a = make_plan("tierflow", trace, hw, budget=budget)
     b = make_plan("tierflow", trace, hw, budget=budget)
-    assert a.moves == b.moves
+    assert (a.moves, a.recomputes, a.host_steps) == (b.moves, b.recomputes, b.host_steps)
 
 
 @pytest.mark.parametrize("share", [0.35, 0.5, 0.7])
@@ -260,7 +260,7 @@ def test_tier_repair_swaps_a_slow_arrival_with_a_fast_tier_stay(gpt):
     hw = load_hardware("a100-40g-pcie4-nvme")
     small = hw.with_tier("host", capacity=float(trace.peak_live_bytes * 0.05))
     budget = int(trace.peak_live_bytes * 0.5)
-    own = make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0)
+    own = make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0, levers="move")
     plan = Plan("x", own.moves, budget_bytes=budget)
     _, res = simulate_score(trace, small, plan)
     stalled = np.flatnonzero(res.op_stall_s > 1e-9)
@@ -424,8 +424,8 @@ def test_spill_repair_brings_queued_ssd_stays_into_host_room(gpt):
     # a planned plan is left to its planner's tiers
     from tierflow.plan import Plan
 
-    planned = Plan("x", make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0).moves,
-                   budget_bytes=budget)
+    planned = Plan("x", make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0,
+                                  levers="move").moves, budget_bytes=budget)
     _, res_p = simulate_score(trace, small, planned)
     assert repair(trace, small, planned, res_p, 1.0, frozenset({"spill"})) is None
 

@@ -8,16 +8,17 @@ How the levers are chosen together (:func:`plan_joint`):
    *host-step option*: gradient bytes down, parameter bytes up, host bytes processed,
    device time and optimizer state freed).
 2. **Variants.** Host-step sets (none; every unit, where the hardware says what the host
-   computes and the simulator prices host steps) times a ladder of recompute prices:
+   computes) with a ladder of recompute prices:
    an option is worth taking where it frees bytes faster, per second of compute, than
    ``m`` times the fastest link carries them, for ``m`` in ``_LADDER`` (16, 4, 1; no
    recompute beside host steps). For each, :func:`._levers.choose_recomputes` takes
    options cheapest per byte first where the live curve (what the host steps leave) is
    still over the budget, so recompute goes only where memory is short and only as far
    as it is; the movers then carry what is left. Each price is tried twice: with a
-   tensor that a taken chain reads while dropped re-made early for it, and with such
-   tensors skipped (fewer re-run ops, more left to the movers; on gpt2-large b8 the
-   latter won at 4x before the loop). Each variant is lowered
+   tensor that a taken chain reads while dropped re-made early for it; at the best
+   price, also with such tensors skipped (fewer re-run ops, more left to the movers; on
+   gpt2-large b8 that won at 4x before the loop), and with every host step beside it
+   and beside no recompute. Each variant is lowered
    (:func:`._levers.lower`: the trace as those levers leave it), planned with
    tierflow's own greedy mover and simulated.
 3. **Closed loop.** The best variants by that score (at most ``_LOOPS``, each only
@@ -53,9 +54,9 @@ from ._tierflow_loop import gains, simulate_score
 
 # Recompute prices tried, as multiples of the fastest link's bandwidth: an option is
 # taken if it frees bytes at least this many times faster per second of compute than
-# that link moves them (None: no recompute, tried only beside host steps; 0 would be
+# that link moves them (no recompute is tried only beside host steps; 0 would be
 # any price: it never won on the zoo rows or G10's workloads, and cost a variant each).
-_LADDER: tuple[float | None, ...] = (None, 16.0, 4.0, 1.0)
+_LADDER: tuple[float, ...] = (16.0, 4.0, 1.0)
 
 # At most this many variants get the closed loop (see plan_joint).
 _LOOPS = 2
@@ -128,31 +129,43 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
     variants: list[_Variant] = []
     seen: set[tuple] = set()
     c_v0 = time.process_time()
-    for hs in ((), tuple(hs_opts)) if hs_opts else ((),):
-        base = lower(trace, (), hs)
-        over = _over_original(base, budget)
-        for mult in _LADDER:
-            if mult is None and not hs:
-                continue  # moving alone: its whole pipeline's plan competes (below)
-            for early in (True, False) if mult is not None else (True,):
-                if mult is None:
-                    chosen = []
-                else:
-                    limit = float("inf") if mult == 0 else 1.0 / (mult * bw)
-                    chosen = choose_recomputes(trace, rec_opts, over, limit, remake_early=early)
-                key = (len(hs), tuple((o.tensor, o.before_op) for o in chosen))
-                if key in seen:
-                    continue
-                seen.add(key)
-                low = base if not chosen else lower(trace, group(chosen, trace), hs)
-                plan = Plan("tierflow", _build(low.trace, hw, budget, _GRID[0], opts), budget_bytes=budget)
-                score = _score(low, hw, plan)  # inf where it does not validate
-                if score == float("inf"):
-                    plan = Plan("tierflow", _build(low.trace, hw, budget, Knobs(safe=True), opts), budget_bytes=budget)
-                    score = _score(low, hw, plan)
-                price = "none" if mult is None else ("any" if mult == 0 else f"{mult:g}x")
-                label = f"host steps {len(hs)}, recompute {price}{'' if early else ', read-dropped skipped'}"
-                variants.append(_Variant(label, low, score, plan))
+    def variant(hs: tuple, mult: float | None, early: bool = True) -> _Variant | None:
+        over = overs.setdefault(len(hs), _over_original(lower(trace, (), hs), budget))
+        if mult is None:
+            chosen = []
+        else:
+            limit = float("inf") if mult == 0 else 1.0 / (mult * bw)
+            chosen = choose_recomputes(trace, rec_opts, over, limit, remake_early=early)
+        key = (len(hs), tuple((o.tensor, o.before_op) for o in chosen))
+        if key in seen or (not hs and not chosen):
+            return None
+        seen.add(key)
+        low = lower(trace, group(chosen, trace), hs)
+        plan = Plan("tierflow", _build(low.trace, hw, budget, _GRID[0], opts), budget_bytes=budget)
+        score = _score(low, hw, plan)  # inf where it does not validate
+        if score == float("inf"):
+            plan = Plan("tierflow", _build(low.trace, hw, budget, Knobs(safe=True), opts), budget_bytes=budget)
+            score = _score(low, hw, plan)
+        price = "none" if mult is None else ("any" if mult == 0 else f"{mult:g}x")
+        v = _Variant(f"host steps {len(hs)}, recompute {price}{'' if early else ', read-dropped skipped'}",
+                     low, score, plan)
+        variants.append(v)
+        return v
+
+    overs: dict[int, np.ndarray] = {}
+    # the price ladder without host steps, then at its best price: read-dropped tensors
+    # skipped, and every host step with that recompute and with none
+    best_mult = None
+    for mult in _LADDER:
+        v = variant((), mult)
+        if v is not None and (best_mult is None or v.score < best_mult[0]):
+            best_mult = (v.score, mult)
+    if best_mult is not None:
+        variant((), best_mult[1], early=False)
+    if hs_opts:
+        variant(tuple(hs_opts), None)
+        if best_mult is not None:
+            variant(tuple(hs_opts), best_mult[1])
     c_var = time.process_time() - c_v0
     m_score = move_plan.meta.get("predicted_step_s", float("inf")) if move_plan is not None else float("inf")
     # The closed loop (moving's whole pipeline, on a variant's lowered trace) for at most

@@ -432,9 +432,16 @@ class Lowered:
             need = m.needed_by
             if need is not None:
                 nb = int(self.op_of[need])
-                # needed by a re-run op: by the op its chain runs before, where the
-                # chain reads it (a use of it, as the validator counts uses)
-                need = nb if nb >= 0 else int(self.before_of[need])
+                if nb < 0:
+                    # needed by a re-run op: by the op its chain runs before, where the
+                    # chain reads it (a use of a non-persistent tensor, as the validator
+                    # counts uses); a weight by its next use of the trace's own from there
+                    nb = int(self.before_of[need])
+                    if tr.persistent[t]:
+                        uses = tr.uses(t)
+                        later = uses[uses >= nb]
+                        nb = int(later[0]) if later.size else int(uses[0])
+                need = nb
             moves.append(Move(m.kind, t, a, m.tier, need))
         return Plan(policy, tuple(moves), budget_bytes=lowered_plan.budget_bytes,
                     reactive=lowered_plan.reactive, frees_dead=lowered_plan.frees_dead,
