@@ -30,6 +30,7 @@ from test_simulator_properties import check_invariants
 from tierflow import Plan, validate
 from tierflow.errors import PlanError, SimulationError
 from tierflow.plan import HostStep, Recompute
+from tierflow.policies import policy_names
 from tierflow.simulate import simulate
 
 
@@ -371,3 +372,75 @@ def test_squeezed_lever_plans_never_exceed_the_budget(case, share):
     plan = dataclasses.replace(plan, budget_bytes=float(max(need, int(fitted * share))))
     r = simulate(tr, hw, plan, check_plan=False)
     check_invariants(tr, hw, plan, r, levers=True)
+
+
+def test_the_timeline_shows_recompute_and_host_work_in_their_own_colours():
+    from tierflow.report.figures import HOST_COLOR, KIND_COLORS, RECOMPUTE_COLOR, timeline_figure
+
+    tr, hw = small()
+    plan = _plan(tr, hw, recompute_candidates(tr)[:1], host_steps_of(tr))
+    res = simulate(tr, hw, plan)
+    fig = timeline_figure(tr, hw, res)
+    gantt = fig.axes[1]
+    labels = [t.get_text() for t in gantt.get_legend().get_texts()]
+    assert any(lb.startswith("recompute") for lb in labels)
+    assert "optimizer update on the host" in labels
+    assert "gradient to the host (host step)" in labels
+    colours = {tuple(round(c, 3) for c in coll.get_facecolor()[0][:3]) for coll in gantt.collections}
+
+    def rgb(hex_: str) -> tuple:
+        return tuple(round(int(hex_[i : i + 2], 16) / 255, 3) for i in (1, 3, 5))
+
+    assert {rgb(RECOMPUTE_COLOR), rgb(HOST_COLOR), rgb(KIND_COLORS["host_grad"])} <= colours
+
+
+def test_cli_simulates_a_lever_plan_file(tmp_path, capsys):
+    from tierflow.cli import main
+    from tierflow.hardware import load_hardware
+
+    tr, _ = small()
+    hw = load_hardware("rtx4090-24g")  # (no host compute model in the presets yet)
+    tpath = tr.save(tmp_path / "t.json")
+    rc = _plan(tr, hw, recompute_candidates(tr)[:1]).save(tmp_path / "rc.json")
+    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(rc)]) == 0
+    assert "recompute" in capsys.readouterr().out
+    hs = _plan(tr, hw, host_steps=host_steps_of(tr)).save(tmp_path / "hs.json")
+    assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(hs)]) == 2
+    assert "no host compute model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", policy_names())
+@given(lever_traces(max_layers=3), st.floats(0.4, 1.0))
+def test_every_plan_of_every_policy_validates_and_keeps_the_invariants(name, tr, share):
+    """Every policy's plan (the move planners, and those that recompute or host-step,
+    once present) on a trace with optimizer state and random numbers: it validates, and
+    its simulation keeps the invariants."""
+    from tierflow.policies import make_plan, min_working_set
+
+    hw = host_hw()
+    need, _ = min_working_set(tr)
+    budget = max(need, int(tr.peak_live_bytes * share))
+    try:
+        plan = make_plan(name, tr, hw, budget=budget)
+    except PlanError:
+        return  # no plan fits: allowed
+    validate(plan, tr, hw)
+    r = simulate(tr, hw, plan)
+    check_invariants(tr, hw, plan, r, levers=True)
+
+
+def test_rejects_a_chain_before_a_host_stepped_op():
+    from tierflow import Op, TensorInfo, Trace
+
+    mb = 1_000_000
+    ts = [TensorInfo(0, mb, "parameter", True, "w"), TensorInfo(1, mb, "optimizer_state", True, "m"),
+          TensorInfo(2, mb, "activation"), TensorInfo(3, mb, "activation"), TensorInfo(4, mb, "gradient")]
+    ops = [Op("f0", "forward", 1e-3, (0,), (2,)), Op("f1", "forward", 1e-3, (2,), (3,)),
+           Op("bwd", "backward", 1e-3, (3, 0), (4,)), Op("step", "optimizer", 1e-3, (0, 4, 1), (0, 1)),
+           Op("late", "backward", 1e-3, (2,), ())]
+    tr = Trace(ops, ts, "interleaved")
+    hw = host_hw()
+    step = HostStep(0, 4, (1,), (3,))
+    validate(_plan(tr, hw, [Recompute((2,), (0,), 4)], [step]), tr, hw)
+    with pytest.raises(PlanError, match=r"recompute 0: field 'before_op' is op 3, which a host step runs"):
+        validate(_plan(tr, hw, [Recompute((2,), (0,), 3)], [step]), tr, hw)

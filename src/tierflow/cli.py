@@ -330,10 +330,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ratio = trace.ideal_s / step if step > 0 and math.isfinite(step) else 0.0
     if args.json:
         u.print_json({"plan_file": str(out), "policy": plan.policy, "moves": len(plan.moves),
+                      "recomputed": plan.count("recomputed"), "host_steps": plan.count("host_step"),
                       "budget_bytes": plan.budget_bytes, "predicted_step_s": step, "ratio": ratio,
                       "incumbent": info})
         return 0
-    print(f"{plan.policy} plan on {hw.name}: {len(plan.moves)} moves, predicted step {fmt_seconds(step)} "
+    levers = "".join(
+        f", {n} {what}" for n, what in ((plan.count("recomputed"), "recomputed"), (plan.count("host_step"), "host steps")) if n
+    )
+    print(f"{plan.policy} plan on {hw.name}: {len(plan.moves)} moves{levers}, predicted step {fmt_seconds(step)} "
           f"({ratio:.3f} of ideal); written to {out}")
     if info is not None:
         if info["rejected"]:
@@ -490,6 +494,10 @@ def _print_results(trace: Any, hw: Any, results: list[Any]) -> None:
     table.add_column("step", justify="right")
     table.add_column("of ideal", justify="right")
     table.add_column("stall", justify="right")
+    levers = any(r.recompute_ops or r.host_steps for r in results)
+    if levers:  # recompute chains on the stream; updates on the host's own stream
+        table.add_column("recompute", justify="right")
+        table.add_column("host steps", justify="right")
     for name in links:
         table.add_column(f"{name} GB", justify="right")
     for name in tiers:
@@ -502,9 +510,12 @@ def _print_results(trace: Any, hw: Any, results: list[Any]) -> None:
     for r in results:
         if r.error:  # no plan, or the plan cannot run: nothing measured to show
             row = [r.policy, "no plan" if not r.peak_bytes.get(hw.device) else "fails", "-", "-"]
-            row += ["-"] * (len(links) + len(tiers))
+            row += ["-"] * (len(links) + len(tiers) + 2 * levers)
         else:
             row = [r.policy, fmt_seconds(r.time_s), f"{r.ratio:.3f}", fmt_seconds(r.stall_s)]
+            if levers:
+                row += [fmt_seconds(r.recompute_s) if r.recompute_ops else "-",
+                        fmt_seconds(r.host_step_s) if r.host_step_s else "-"]
             row += [f"{r.traffic_bytes.get(n, 0) / 1e9:.1f}" for n in links]
             row += [f"{r.peak_bytes.get(n, 0) / 2**30:.1f}" for n in tiers]
         if pooled:

@@ -115,6 +115,14 @@ class HostStep:
     :class:`tierflow.hardware.HostCompute`) once the gradient has arrived; the updated
     parameter is copied back to the device before its next use.
 
+    Clarified (what :func:`validate` checks and the simulator does): "the last backward
+    op that writes it" is the gradient's last use by an op that is not host-stepped,
+    which must be a backward op, as every such use must be; the parameter has no device
+    use after it. ``tier`` holds the optimizer state, a gradient buffer and the
+    parameter's master copy for the whole run. A parameter the plan's moves keep off the
+    device when its update ends gets no copy back: the update lands in its off-device
+    copy, and its prefetch (or fault) waits for the update. Only planned plans host-step.
+
     Attributes:
         param: the parameter's tensor id.
         grad: its gradient's tensor id.
@@ -563,8 +571,39 @@ class Residency:
 def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
     """Check a plan against its trace and hardware and return its planned residency.
 
+    Recomputes (only in planned plans) are checked so:
+
+    * each chain op runs before ``before_op`` and is a forward op, ``pure`` unless the
+      plan says it re-runs impure ops (a true ``meta["impure_reruns"]``), and draws no
+      random numbers unless ``restore_rng``;
+    * the chain *makes* the tensors born at its ops (an output born elsewhere, such as an
+      in-place update's, is written where it is); each kept tensor is non-persistent, not
+      host-stepped, made by the chain, born before ``before_op`` and used at or after it,
+      named once per chain; a tensor recomputed twice is used between the two;
+    * every other tensor a chain op reads or writes is persistent or born before
+      ``before_op``, is not kept off the device by a host step, and is not dropped at
+      that point (by a later recompute, or by one before the same op later in the list):
+      the walk treats it as used at ``before_op``, so it must be on the device there per
+      the moves, and its life is held until then;
+    * no move of a recomputed tensor is issued from its drop to its re-creation.
+
+    Host steps are checked as the docstring of :class:`HostStep` says, and: each one's
+    ``ops`` are exactly the optimizer ops touching its parameter, gradient or state;
+    every tensor a host-stepped op touches is covered by some host step or is a
+    temporary only host-stepped ops use (a shared op is host-stepped only if all of its
+    parameters are); no tensor is covered twice; no move of a gradient or state.
+
+    The residency (bytes per tier during each op) then counts: a recomputed tensor as
+    absent from the op after its drop to the op before its chain; each chain's peak
+    (what the device holds before the op, less the op's own births, plus what the
+    chains before it kept, plus everything the chain makes) against the budget; a
+    host-stepped gradient on the device from its birth through its last backward op;
+    the host tier's state, gradient buffers and master copies for the whole iteration;
+    host-only temporaries nowhere.
+
     Raises:
-        PlanError: naming the move (index, tensor, op) or the op and tier at fault.
+        PlanError: naming the move, recompute or host step (index, tensor, op, field),
+            or the op and tier at fault.
     """
     n_ops, n_t = trace.n_ops, trace.n_tensors
     tiers = {t.name for t in hardware.tiers}
@@ -608,6 +647,10 @@ def levers(plan: Plan, trace: Trace, hardware: Hardware) -> _Levers:
         _check_host_steps(plan, trace, hardware, lev)
     if plan.recomputes:
         _check_recomputes(plan, trace, lev)
+        for i, r in enumerate(plan.recomputes):
+            if r.before_op in lev.host_ops:
+                raise PlanError(f"plan {plan.policy}: recompute {i}: field 'before_op' is op {r.before_op}, "
+                                f"which a host step runs on the host")
         per_tensor: dict[int, list[tuple[int, Move]]] = {}
         for i, m in enumerate(plan.moves):
             per_tensor.setdefault(m.tensor, []).append((i, m))

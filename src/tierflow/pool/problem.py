@@ -280,6 +280,8 @@ def from_trace(
             raise PoolError("from_trace with a plan needs the hardware the plan was made for")
         if plan.reactive:
             raise PoolError(f"plan {plan.policy} is reactive: its residency is decided at run time, not planned")
+        if plan.recomputes or plan.host_steps:
+            raise PoolError(f"plan {plan.policy} recomputes or host-steps: its pool problem is not modelled yet")
         tier = hardware.device if tier is None else tier
         if tier not in {t.name for t in hardware.tiers}:
             raise PoolError(f"tier {tier!r} is not a tier of {hardware.name}")

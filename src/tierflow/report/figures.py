@@ -32,8 +32,12 @@ GIB = float(2**30)
 
 TIER_COLORS = {"device": "#4C72B0", "host": "#DD8452", "pmem": "#55A868", "ssd": "#8172B3"}
 _SPARE_COLORS = ("#64B5CD", "#CCB974", "#DA8BC3", "#8C8C8C")
-KIND_COLORS = {"evict": "#E9A23B", "prefetch": "#2A9D8F", "fault": "#B5179E"}
-KIND_LABELS = {"evict": "evict (off the device)", "prefetch": "prefetch (planned)", "fault": "fault (on demand)"}
+KIND_COLORS = {"evict": "#E9A23B", "prefetch": "#2A9D8F", "fault": "#B5179E",
+               "host_grad": "#6A4C93", "host_param": "#1982C4"}
+KIND_LABELS = {"evict": "evict (off the device)", "prefetch": "prefetch (planned)", "fault": "fault (on demand)",
+               "host_grad": "gradient to the host (host step)", "host_param": "updated parameter back (host step)"}
+RECOMPUTE_COLOR = "#F4A261"  # recompute chains on the compute stream
+HOST_COLOR = "#8AC926"  # optimizer updates on the host's stream
 PHASE_COLORS = {"forward": "#C9C9C9", "backward": "#A3A3A3", "optimizer": "#767676"}
 STALL_COLOR = "#E63946"
 OVERLAP_COLOR = "#3D5A80"
@@ -136,7 +140,8 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
     unit, k = time_scale(end)
     px = end / buckets  # seconds per pixel
 
-    n_rows = 2 + len(links)
+    host_row = bool(getattr(result, "host_steps", None))
+    n_rows = 2 + len(links) + host_row
     fig = Figure(figsize=(WIDTH_IN, 4.2 + 0.45 * n_rows + 0.6), dpi=DPI)
     gs = fig.add_gridspec(2, 1, height_ratios=[4.2, 0.45 * n_rows + 0.3], hspace=0.08)
     ax = fig.add_subplot(gs[0])
@@ -198,13 +203,26 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
     )
 
     # -- Gantt: compute (with stalls) and one row per link -------------------------------
-    rows = ["compute", "stalls"] + links
+    rows = ["compute", "stalls"] + (["host"] if host_row else []) + links
     y_of = {name: n_rows - 1 - i for i, name in enumerate(rows)}  # compute on top
     y = y_of["compute"]
     for phase, color in PHASE_COLORS.items():
         s, e = phase_intervals(trace, result, phase, min_gap=px)
         if len(s):
             gx.broken_barh(list(zip(s * k, (e - s) * k)), (y - 0.35, 0.7), color=color, linewidth=0)
+    chains = getattr(result, "recomputes", None) or []
+    if chains:  # the chains run between ops, on the same stream
+        s, e = merge_intervals(np.array([c.start_s for c in chains]), np.array([c.end_s for c in chains]),
+                               min_width=px, min_gap=px)
+        gx.broken_barh(list(zip(s * k, (e - s) * k)), (y - 0.35, 0.7), color=RECOMPUTE_COLOR, linewidth=0)
+    if host_row:
+        work = [(h.start_s, h.end_s if math.isfinite(h.end_s) else end) for h in result.host_steps
+                if math.isfinite(h.start_s) and h.start_s < end]
+        if work:
+            s, e = merge_intervals(np.array([a for a, _ in work]), np.minimum(np.array([b for _, b in work]), end),
+                                   min_width=px, min_gap=px)
+            gx.broken_barh(list(zip(s * k, (e - s) * k)), (y_of["host"] - 0.35, 0.7), color=HOST_COLOR,
+                           linewidth=0)
     ss, se = stall_intervals(result)
     ss, se = merge_intervals(ss, se, min_width=px, min_gap=px)
     if len(ss):
@@ -212,7 +230,8 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
                        linewidth=0)
     b = breakdown(result)
     labels = {"compute": "compute\nby phase",
-              "stalls": f"stalls\n{b.stalled_ops if b else 0} ops, {fmt_seconds(result.stall_s)}"}
+              "stalls": f"stalls\n{b.stalled_ops if b else 0} ops, {fmt_seconds(result.stall_s)}",
+              "host": f"host updates\n{fmt_seconds(getattr(result, 'host_step_s', 0.0))}"}
     kinds_drawn: set[str] = set()
     for name in links:
         y = y_of[name]
@@ -232,7 +251,11 @@ def timeline_figure(trace: Any, hardware: Any, result: Any, *, tiers: Sequence[s
     gx.set_xlabel(f"time within the step ({unit})")
     gx.grid(axis="x", alpha=0.3)
     handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items()]
+    if chains:
+        handles.append(Patch(color=RECOMPUTE_COLOR, label=f"recompute ({fmt_seconds(result.recompute_s)})"))
     handles.append(Patch(color=STALL_COLOR, label="stall (waiting for tensors)"))
+    if host_row:
+        handles.append(Patch(color=HOST_COLOR, label="optimizer update on the host"))
     handles += [Patch(color=KIND_COLORS[kd], label=KIND_LABELS[kd]) for kd in KIND_COLORS if kd in kinds_drawn]
     handles.append(Line2D([], [], marker="v", color="#222222", linestyle="none", label=f"{hardware.device} peak"))
     gx.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
