@@ -129,7 +129,10 @@ class HostStep:
         state: its optimizer-state tensor ids.
         ops: the trace's optimizer ops for this parameter, which no longer run on the
             device (a ``foreach``/fused op shared by several parameters is host-stepped
-            only if all of them are).
+            only if all of them are): those that touch its parameter, gradient or state,
+            and those that touch only temporaries of its update (a captured AdamW step
+            computes ``sqrt(exp_avg_sq)``, then divides and adds to that temporary
+            before ``addcdiv_`` reads it; see :func:`update_ops`).
         tier: where gradient, state and the updated parameter live on the host.
     """
 
@@ -373,9 +376,9 @@ def _check_host_steps(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> N
                 raise PlanError(f"{where}: field 'ops' names op {o}, outside 0..{n_ops - 1}")
             if ops[o].phase != "optimizer":
                 raise PlanError(f"{where}: field 'ops': op {o} ({ops[o].name}) is a {ops[o].phase} op, not an optimizer op")
-        # its ops are exactly the optimizer ops that touch its parameter, gradient or state
-        mine = {h.param, h.grad, *h.state}
-        touching = {int(o) for t in mine for o in trace.uses(t).tolist() if ops[int(o)].phase == "optimizer"}
+        # its ops are exactly its update's: the optimizer ops that touch its parameter,
+        # gradient or state, and those that touch only temporaries they make
+        touching = update_ops(trace, {h.param, h.grad, *h.state})
         if set(h.ops) != touching:
             missing, extra = sorted(touching - set(h.ops)), sorted(set(h.ops) - touching)
             raise PlanError(
@@ -566,6 +569,30 @@ class Residency:
 
     tier_bytes: dict[str, np.ndarray]
     start_tier: dict[int, str]
+
+
+def update_ops(trace: Trace, tensors: set[int]) -> set[int]:
+    """The optimizer ops of the update of ``tensors`` (a parameter, its gradient and
+    state): every optimizer op that touches one of them, and, transitively, every
+    optimizer op that touches nothing but temporaries those ops make (a captured AdamW
+    step's ``sqrt -> div -> add_`` on the square root of ``exp_avg_sq``)."""
+    ops, info = trace.ops, trace.tensors
+    out = {int(o) for t in tensors for o in trace.uses(t).tolist() if ops[int(o)].phase == "optimizer"}
+    todo = [t for o in out for t in ops[o].tensors if info[t].kind == "temporary"]
+    seen: set[int] = set()
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for o in trace.uses(t).tolist():
+            o = int(o)
+            if o in out or ops[o].phase != "optimizer":
+                continue
+            if all(info[x].kind == "temporary" for x in ops[o].tensors):
+                out.add(o)
+                todo.extend(ops[o].tensors)
+    return out
 
 
 def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
