@@ -18,7 +18,8 @@ How the levers are chosen together (:func:`plan_joint`):
    tensor that a taken chain reads while dropped re-made early for it; at the best
    price, also with such tensors skipped (fewer re-run ops, more left to the movers; on
    gpt2-large b8 that won at 4x before the loop), and with every host step beside it
-   and beside no recompute. Each variant is lowered
+   and beside the next cheaper price (host steps free memory for the whole iteration,
+   so less recompute may do). Each variant is lowered
    (:func:`._levers.lower`: the trace as those levers leave it), planned with
    tierflow's own greedy mover and simulated.
 3. **Closed loop.** The best variants by that score (at most ``_LOOPS``, each only
@@ -65,6 +66,11 @@ _LOOPS = 2
 # far (on llama-7b the second loop, 4 s, could at most have gained 0.1%).
 _LOOP_MARGIN = 0.005
 
+# ... and only if its own pass is within this factor of the best step so far: the loop
+# took gpt2-large b8's 16x variant 13% down (0.806 -> 0.703 s), and on gpt2-xl b16 two
+# loops on variants 29% and 81% behind (5 s) gained nothing.
+_LOOP_REACH = 1.25
+
 # Whether the simulator prices Recompute and HostStep records (then plans are scored as
 # mapped back; see the module docstring).
 LEVERS_SIMULATED = True
@@ -109,7 +115,7 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         move_plan: the move-only pipeline's plan for ``trace``, if already made (it
             competes on traces small enough, see ``_BOTH_PIPELINES``).
     """
-    from .tierflow import _GRID, Knobs, _build, plan_moves
+    from .tierflow import _GRID, _build, plan_moves
 
     t0, c0 = time.perf_counter(), time.process_time()
     opts = dict(options.extra or {})
@@ -142,10 +148,8 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         seen.add(key)
         low = lower(trace, group(chosen, trace), hs)
         plan = Plan("tierflow", _build(low.trace, hw, budget, _GRID[0], opts), budget_bytes=budget)
-        score = _score(low, hw, plan)  # inf where it does not validate
-        if score == float("inf"):
-            plan = Plan("tierflow", _build(low.trace, hw, budget, Knobs(safe=True), opts), budget_bytes=budget)
-            score = _score(low, hw, plan)
+        score = _score(low, hw, plan)  # inf where it does not validate (no fallback:
+        # a variant the own pass cannot fit loses; moving alone is the fallback)
         price = "none" if mult is None else ("any" if mult == 0 else f"{mult:g}x")
         v = _Variant(f"host steps {len(hs)}, recompute {price}{'' if early else ', read-dropped skipped'}",
                      low, score, plan)
@@ -163,13 +167,21 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
     if best_mult is not None:
         variant((), best_mult[1], early=False)
     if hs_opts:
-        variant(tuple(hs_opts), None)
-        if best_mult is not None:
+        if best_mult is None:
+            variant(tuple(hs_opts), None)
+        else:
+            # host steps free memory for the whole iteration: beside them, the best
+            # price and the next cheaper one (less recompute) are worth trying
             variant(tuple(hs_opts), best_mult[1])
+            cheaper = [m for m in _LADDER if m > best_mult[1]]
+            if cheaper:
+                variant(tuple(hs_opts), min(cheaper))
     c_var = time.process_time() - c_v0
     m_score = move_plan.meta.get("predicted_step_s", float("inf")) if move_plan is not None else float("inf")
     # The closed loop (moving's whole pipeline, on a variant's lowered trace) for at most
-    # _LOOPS variants, best first by the own pass, each only if it can still win: its
+    # _LOOPS variants, least re-run time first (the most a loop can reach: its lowered
+    # trace's ideal; on gpt2-large b8 the 16x variant, third by its own pass, went
+    # 0.806 -> 0.703 s, the best), each only if it can still win: its
     # lowered trace's ideal (the original's plus its re-run ops) is below the best step
     # so far, and its own pass already beats moving's whole pipeline where that ran (on
     # SENet-154 it did not, 141.1 s against 136.7 s; the loop took it to 139.7 s, and
@@ -180,13 +192,15 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
     loops = 0
     # the loops share one work budget (each its part), so that two cost what one did
     loop_options = PolicyOptions(budget, options.seed, {**opts, "work_ops": int(opts.get("work_ops", 70_000)) // _LOOPS})
-    for v in sorted(variants, key=lambda v: (round(v.score, 9), variants.index(v))):
+    for v in sorted(variants, key=lambda v: (round(v.lowered.trace.ideal_s, 9), round(v.score, 9), variants.index(v))):
         if loops >= _LOOPS:
             break
         low_ideal = v.lowered.trace.ideal_s * (1 + 1e-9)
         if not (v.lowered.recomputes or v.lowered.host_steps) or v.score <= low_ideal:
             continue
         if not low_ideal < best_score * (1 - _LOOP_MARGIN) or not gains(v.score, m_score):
+            continue
+        if v.score > best_score * _LOOP_REACH:
             continue
         inner = plan_moves(v.lowered.trace, hw, loop_options)
         loops += 1
