@@ -91,6 +91,8 @@ class _Variant:
 def _score(lowered: Lowered, hw: Hardware, plan: Plan) -> float:
     """Simulated step of a plan made on the lowered trace (see the module docstring)."""
     if LEVERS_SIMULATED:
+        if plan.reactive and (lowered.recomputes or lowered.host_steps):
+            return float("inf")  # a demand pager's hints cannot carry the levers' records
         try:
             return simulate_score(lowered.original, hw, lowered.plan(plan))[0]
         except PlanError:
