@@ -155,10 +155,39 @@ def test_rejects_a_host_step_on_a_non_parameter():
 def test_rejects_host_step_ops_that_are_not_exactly_its_optimizer_ops():
     tr, hw = small()
     hs = host_steps_of(tr)[0]
-    with pytest.raises(PlanError, match=r"field 'ops' must be the optimizer ops.*is missing"):
+    with pytest.raises(PlanError, match=r"field 'ops' must hold every optimizer op touching its tensors.*is missing"):
         validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=())]), tr, hw)
     with pytest.raises(PlanError, match=r"field 'ops'"):
         validate(_plan(tr, hw, host_steps=[dataclasses.replace(hs, ops=hs.ops + (0,))]), tr, hw)
+
+
+def _adam_like() -> tuple:
+    """One weight whose update is three optimizer ops: ``sqrt(m) -> a``, ``a / 2 -> b``
+    (temporaries only) and ``w -= g / b`` (in place on w and m)."""
+    from tierflow import Op, TensorInfo, Trace
+
+    mb = 1_000_000
+    ts = [TensorInfo(0, mb, "parameter", True, "w"), TensorInfo(1, mb, "optimizer_state", True, "m"),
+          TensorInfo(2, mb, "input"), TensorInfo(3, mb, "activation"), TensorInfo(4, mb, "gradient"),
+          TensorInfo(5, mb, "temporary", name="a"), TensorInfo(6, mb, "temporary", name="b")]
+    ops = [Op("fwd", "forward", 1e-3, (2, 0), (3,)), Op("bwd", "backward", 1e-3, (3, 2, 0), (4,)),
+           Op("sqrt", "optimizer", 1e-3, (1,), (5,)), Op("div", "optimizer", 1e-3, (5,), (6,)),
+           Op("upd", "optimizer", 1e-3, (0, 4, 6, 1), (0, 1))]
+    return Trace(ops, ts, "adam-like"), host_hw()
+
+
+def test_a_host_step_may_hold_the_updates_arithmetic_on_temporaries():
+    tr, hw = _adam_like()
+    step = HostStep(0, 4, (1,), (2, 3, 4))
+    res = validate(_plan(tr, hw, host_steps=[step]), tr, hw)
+    # during the optimizer ops only the weight is on the device: the gradient has gone
+    # home, the state lives there, the temporaries are the host's
+    assert (res.tier_bytes["gpu"][2:] == tr.sizes[0]).all()
+    r = simulate(tr, hw, _plan(tr, hw, host_steps=[step]))
+    assert r.error is None and math.isclose(r.host_op_s, 3e-3)
+    # without the temporaries' op, tensor 5 (made on the host) would be read on the device
+    with pytest.raises(PlanError, match=r"touches tensor 5 \(a\), which op 3 \(div\) also uses on the device"):
+        validate(_plan(tr, hw, host_steps=[HostStep(0, 4, (1,), (2, 4))]), tr, hw)
 
 
 def test_rejects_a_shared_optimizer_op_when_not_all_its_params_are_host_stepped():
@@ -246,8 +275,11 @@ def test_host_steps_take_optimizer_ops_off_the_stream():
         assert b.start_s >= a.end_s - 1e-12
     kinds = {t.kind for t in res.transfers}
     assert {"host_grad", "host_param"} <= kinds
-    # the state never reaches the device
+    # the state never reaches the device; the host holds state, gradient buffers and
+    # master copies, as the validator counts them
     assert res.peak_bytes["gpu"] <= tr.peak_live_bytes - sum(int(tr.sizes[h.state[0]]) for h in steps)
+    planned = validate(_plan(tr, hw, host_steps=steps), tr, hw).tier_bytes["host"]
+    assert res.peak_bytes["host"] == planned.max() == planned.min()
 
 
 def test_a_parameter_use_waits_for_its_update():
@@ -444,3 +476,56 @@ def test_rejects_a_chain_before_a_host_stepped_op():
     validate(_plan(tr, hw, [Recompute((2,), (0,), 4)], [step]), tr, hw)
     with pytest.raises(PlanError, match=r"recompute 0: field 'before_op' is op 3, which a host step runs"):
         validate(_plan(tr, hw, [Recompute((2,), (0,), 3)], [step]), tr, hw)
+
+
+def _brute_force_peak(tr, recomputes) -> tuple[int, int]:
+    """(most device bytes during an op, most during a chain) of a recompute-only plan
+    without moves, tensor by tensor from the contract: a tensor is on the device from
+    its birth to its death (held to the op of a chain that reads it), except from the op
+    after its drop to the op before its chain; a chain holds, beside what is there, what
+    earlier chains before the same op re-created and everything it makes."""
+    sizes = tr.sizes
+    death = {t: int(tr.death[t]) for t in range(tr.n_tensors)}
+    for r in recomputes:
+        for x in chain_reads(tr, r):
+            if not tr.tensors[x].persistent:
+                death[x] = max(death[x], r.before_op)
+    spans = []
+    for r in recomputes:
+        for t in r.tensors:
+            u = tr.uses(t)
+            spans.append((t, int(u[u < r.before_op].max()), r.before_op))
+
+    def on(t, i, before: bool) -> bool:  # during op i, or at the instant before it
+        lo = int(tr.birth[t])
+        if not (lo < i if before else lo <= i) or death[t] < i:
+            return False
+        return not any(tt == t and d < i and (i <= b if before else i < b) for tt, d, b in spans)
+
+    ops_peak = max(sum(int(sizes[t]) for t in range(tr.n_tensors) if on(t, i, False)) for i in range(tr.n_ops))
+    chain_peak = 0
+    for b in {r.before_op for r in recomputes}:
+        held = sum(int(sizes[t]) for t in range(tr.n_tensors) if on(t, b, True))
+        for r in [r for r in recomputes if r.before_op == b]:
+            chain_peak = max(chain_peak, held + int(sum(sizes[list(chain_made(tr, r))])))
+            held += int(sum(sizes[list(r.tensors)]))
+    return ops_peak, chain_peak
+
+
+@given(lever_traces())
+def test_validator_and_simulator_agree_with_the_contract_on_device_bytes(tr):
+    """With no budget to enforce, the simulator's device peak and the validator's
+    planned peak are what the contract says, computed here tensor by tensor."""
+    recomputes = recompute_candidates(tr)
+    dropped, read, chosen = set(), set(), []
+    for r in recomputes:  # the non-conflicting ones, in order
+        if set(r.tensors) & (dropped | read) or chain_reads(tr, r) & dropped:
+            continue
+        chosen.append(r)
+        dropped.update(r.tensors)
+        read |= chain_reads(tr, r)
+    hw = simple_hw()
+    plan = Plan("rc", recomputes=tuple(chosen))
+    ops_peak, chain_peak = _brute_force_peak(tr, chosen)
+    assert int(validate(plan, tr, hw).tier_bytes["gpu"].max()) == ops_peak
+    assert simulate(tr, hw, plan).peak_bytes["gpu"] == max(ops_peak, chain_peak)

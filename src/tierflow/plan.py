@@ -129,10 +129,8 @@ class HostStep:
         state: its optimizer-state tensor ids.
         ops: the trace's optimizer ops for this parameter, which no longer run on the
             device (a ``foreach``/fused op shared by several parameters is host-stepped
-            only if all of them are): those that touch its parameter, gradient or state,
-            and those that touch only temporaries of its update (a captured AdamW step
-            computes ``sqrt(exp_avg_sq)``, then divides and adds to that temporary
-            before ``addcdiv_`` reads it; see :func:`update_ops`).
+            only if all of them are); also ops of its update that touch only
+            temporaries (``a = sqrt(v); b = a + eps``), which must run on the host too.
         tier: where gradient, state and the updated parameter live on the host.
     """
 
@@ -376,16 +374,18 @@ def _check_host_steps(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> N
                 raise PlanError(f"{where}: field 'ops' names op {o}, outside 0..{n_ops - 1}")
             if ops[o].phase != "optimizer":
                 raise PlanError(f"{where}: field 'ops': op {o} ({ops[o].name}) is a {ops[o].phase} op, not an optimizer op")
-        # its ops are exactly its update's: the optimizer ops that touch its parameter,
-        # gradient or state, and those that touch only temporaries they make
-        touching = update_ops(trace, {h.param, h.grad, *h.state})
-        if set(h.ops) != touching:
-            missing, extra = sorted(touching - set(h.ops)), sorted(set(h.ops) - touching)
-            raise PlanError(
-                f"{where}: field 'ops' must be the optimizer ops touching its tensors: "
-                + (f"op {missing[0]} ({ops[missing[0]].name}) is missing" if missing
-                   else f"op {extra[0]} ({ops[extra[0]].name}) touches none of them")
-            )
+        # its ops are the optimizer ops that touch its parameter, gradient or state, and
+        # any that touch only the update's temporaries (checked below)
+        mine = {h.param, h.grad, *h.state}
+        touching = {int(o) for t in mine for o in trace.uses(t).tolist() if ops[int(o)].phase == "optimizer"}
+        missing = sorted(touching - set(h.ops))
+        if missing:
+            raise PlanError(f"{where}: field 'ops' must hold every optimizer op touching its tensors: "
+                            f"op {missing[0]} ({ops[missing[0]].name}) is missing")
+        for o in set(h.ops) - touching:
+            if any(trace.tensors[t].persistent for t in trace.op_tensors[o]):
+                raise PlanError(f"{where}: field 'ops': op {o} ({ops[o].name}) touches none of its tensors, "
+                                f"and not only temporaries either")
     host_ops = host_step_ops(plan)
     lev.host_ops = host_ops
     # a host-stepped op touches only covered tensors and temporaries of the host step
@@ -395,11 +395,20 @@ def _check_host_steps(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> N
             if t in owner:
                 continue
             info = tensors[t]
-            if info.persistent or not set(trace.uses(t).tolist()) <= host_ops:
+            if info.persistent:
                 raise PlanError(
                     f"plan {plan.policy}: host-stepped op {o} ({ops[o].name}) touches tensor {t} "
                     f"({info.name or info.kind}), which no host step covers: a shared optimizer op is "
                     f"host-stepped only if all of its parameters are"
+                )
+            elsewhere = [u for u in trace.uses(t).tolist() if u not in host_ops]
+            if elsewhere:
+                u = elsewhere[0]
+                raise PlanError(
+                    f"plan {plan.policy}: host-stepped op {o} ({ops[o].name}) touches tensor {t} "
+                    f"({info.name or info.kind}), which op {u} ({ops[u].name}) also uses on the device: "
+                    f"a temporary of the host's update must be used by host-stepped ops only (a shared "
+                    f"optimizer op is host-stepped only if all of its parameters are)"
                 )
             lev.off_device.add(t)  # a temporary of the host's update
     for i, h in enumerate(plan.host_steps):
@@ -571,30 +580,6 @@ class Residency:
     start_tier: dict[int, str]
 
 
-def update_ops(trace: Trace, tensors: set[int]) -> set[int]:
-    """The optimizer ops of the update of ``tensors`` (a parameter, its gradient and
-    state): every optimizer op that touches one of them, and, transitively, every
-    optimizer op that touches nothing but temporaries those ops make (a captured AdamW
-    step's ``sqrt -> div -> add_`` on the square root of ``exp_avg_sq``)."""
-    ops, info = trace.ops, trace.tensors
-    out = {int(o) for t in tensors for o in trace.uses(t).tolist() if ops[int(o)].phase == "optimizer"}
-    todo = [t for o in out for t in ops[o].tensors if info[t].kind == "temporary"]
-    seen: set[int] = set()
-    while todo:
-        t = todo.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        for o in trace.uses(t).tolist():
-            o = int(o)
-            if o in out or ops[o].phase != "optimizer":
-                continue
-            if all(info[x].kind == "temporary" for x in ops[o].tensors):
-                out.add(o)
-                todo.extend(ops[o].tensors)
-    return out
-
-
 def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
     """Check a plan against its trace and hardware and return its planned residency.
 
@@ -615,10 +600,12 @@ def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
     * no move of a recomputed tensor is issued from its drop to its re-creation.
 
     Host steps are checked as the docstring of :class:`HostStep` says, and: each one's
-    ``ops`` are exactly the optimizer ops touching its parameter, gradient or state;
-    every tensor a host-stepped op touches is covered by some host step or is a
-    temporary only host-stepped ops use (a shared op is host-stepped only if all of its
-    parameters are); no tensor is covered twice; no move of a gradient or state.
+    ``ops`` hold every optimizer op touching its parameter, gradient or state, and
+    otherwise only optimizer ops that touch nothing persistent (the update's arithmetic
+    on temporaries); every tensor a host-stepped op touches is covered by some host
+    step or is a temporary only host-stepped ops use (a shared op is host-stepped only
+    if all of its parameters are); no tensor is covered twice; no move of a gradient or
+    state.
 
     The residency (bytes per tier during each op) then counts: a recomputed tensor as
     absent from the op after its drop to the op before its chain; each chain's peak
