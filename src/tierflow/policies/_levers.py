@@ -252,30 +252,6 @@ def host_step_options(trace: Trace, hw: Hardware) -> list[HostStepOption]:
     return out
 
 
-def update_ops(trace: Trace, tensors: set[int]) -> set[int]:
-    """The optimizer ops of the update of ``tensors`` (a parameter, its gradient and
-    state): every optimizer op that touches one of them, and, transitively, every
-    optimizer op that touches nothing but temporaries those ops make (a captured AdamW
-    step's ``sqrt -> div -> add_`` on the square root of ``exp_avg_sq``)."""
-    ops, info = trace.ops, trace.tensors
-    out = {int(o) for t in tensors for o in trace.uses(t).tolist() if ops[int(o)].phase == "optimizer"}
-    todo = [t for o in out for t in ops[o].tensors if info[t].kind == "temporary"]
-    seen: set[int] = set()
-    while todo:
-        t = todo.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        for o in trace.uses(t).tolist():
-            o = int(o)
-            if o in out or ops[o].phase != "optimizer":
-                continue
-            if all(info[x].kind == "temporary" for x in ops[o].tensors):
-                out.add(o)
-                todo.extend(ops[o].tensors)
-    return out
-
-
 def choose_recomputes(trace: Trace, options: list[RecomputeOption], over: np.ndarray,
                       max_per_byte_s: float = float("inf"), remake_early: bool = True) -> list[RecomputeOption]:
     """Options to take, cheapest per byte first, while they relieve ops over the line.
