@@ -88,8 +88,8 @@ class Recompute:
         ops: trace op indices re-run, in order (forward ops, each ``pure``, except in a
             plan that models a system which re-runs impure ops as they are:
             ``torch.utils.checkpoint`` re-runs a block's BatchNorm, updating its running
-            statistics a second time; the ``checkpoint`` peer policy does that by
-            default and says so in ``Plan.meta["impure_reruns"]``).
+            statistics a second time; the ``checkpoint`` and ``selective`` peer
+            policies do that by default and say so in ``Plan.meta["impure_reruns"]``).
         before_op: the op the chain runs just before: at or before each tensor's first
             use after its drop (earlier where a tensor is re-made for a chain that reads
             it, as when a product of two dropped projections is re-made before either

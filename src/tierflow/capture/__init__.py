@@ -3,7 +3,9 @@
 ``tierflow.capture(model, batch, ...)`` (this module is callable) records forward,
 backward and optimizer step op by op; :func:`zoo_trace` does the same for a built-in
 model by name; :mod:`tierflow.capture.cost` is the roofline cost model used on ``meta``;
-:mod:`tierflow.capture.zoo` holds the built-in models.
+:mod:`tierflow.capture.zoo` holds the built-in models; :mod:`tierflow.capture.scope` and
+:mod:`tierflow.capture.opflags` say what each op ran under and whether it may be re-run;
+:mod:`tierflow.capture.host` measures the host's optimizer throughput.
 
 Example:
     >>> import torch, tierflow

@@ -31,6 +31,15 @@ consumes it and for a temporary its last reader.
 autograd issues it or not depending on whether saved-tensor hooks are installed, so
 leaving it out keeps the op list equal to that of the same step run without tierflow.
 
+What recompute needs, per op (:class:`tierflow.trace.Op`): ``scope``, the module path
+it ran under, from :class:`tierflow.capture.scope.ScopeTracker` (forward: module hooks;
+backward: the autograd node being executed, traced back to the forward op that made
+it); ``rng``, from :func:`tierflow.capture.opflags.draws_random`; ``pure``, False when
+the op writes in place (:func:`tierflow.capture.opflags.writes`) a parameter, buffer,
+optimizer state, gradient, batch tensor, a tensor allocated outside any op or one off
+the recorded device, or is a collective. Writes into tensors an earlier op of the
+iteration made keep the op pure (see :attr:`tierflow.trace.Op.pure`).
+
 Durations: on ``meta`` nothing runs, so every op is priced by the roofline cost model
 (:mod:`tierflow.capture.cost`) for a hardware preset; on ``cpu`` each op is timed with
 ``time.perf_counter`` and on ``cuda`` with CUDA events around it.

@@ -40,8 +40,9 @@ Example:
     ...     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
     ...         seen.append(tracker.scope())
     ...         return func(*args, **(kwargs or {}))
+    >>> x = torch.randn(2, 4)
     >>> with ScopeTracker(net) as tracker, Spy():
-    ...     net(torch.randn(2, 4)).sum().backward()
+    ...     net(x).sum().backward()
     >>> seen[:3], seen[-1]
     (['0', '0', '1'], '0')
 """
@@ -53,7 +54,9 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-_seq_now = torch._C._autograd._get_sequence_nr
+# The per-thread counter autograd numbers its nodes from. A build without it (not seen in
+# the supported versions) still gets forward scopes; backward ops then get ``None``.
+_seq_now = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
 
 
 class ScopeTracker:
