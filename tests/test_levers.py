@@ -295,7 +295,7 @@ def test_a_parameter_use_waits_for_its_update():
 
 def test_host_steps_need_a_host_compute_model():
     tr, _ = small()
-    hw = dataclasses.replace(simple_hw(), host_compute=None)  # the presets have one now
+    hw = dataclasses.replace(simple_hw(), host_compute=None)
     with pytest.raises(SimulationError, match="no host compute model"):
         simulate(tr, hw, _plan(tr, hw, host_steps=host_steps_of(tr)))
 
@@ -431,7 +431,7 @@ def test_cli_simulates_a_lever_plan_file(tmp_path, capsys):
     from tierflow.hardware import load_hardware
 
     tr, _ = small()
-    hw = load_hardware("rtx4090-24g")  # its preset has a host compute model (capture's [host_compute])
+    hw = load_hardware("rtx4090-24g")
     tpath = tr.save(tmp_path / "t.json")
     rc = _plan(tr, hw, recompute_candidates(tr)[:1]).save(tmp_path / "rc.json")
     assert main(["simulate", str(tpath), "--hardware", "rtx4090-24g", "--plan-file", str(rc)]) == 0

@@ -122,6 +122,8 @@ class HostStep:
     parameter's master copy for the whole run. A parameter the plan's moves keep off the
     device when its update ends gets no copy back: the update lands in its off-device
     copy, and its prefetch (or fault) waits for the update. Only planned plans host-step.
+    A ``foreach``/fused op that updates several host-stepped parameters is listed in
+    each of their host steps (it is one op: it leaves the device once).
 
     Attributes:
         param: the parameter's tensor id.
@@ -130,7 +132,8 @@ class HostStep:
         ops: the trace's optimizer ops for this parameter, which no longer run on the
             device (a ``foreach``/fused op shared by several parameters is host-stepped
             only if all of them are); also ops of its update that touch only
-            temporaries (``a = sqrt(v); b = a + eps``), which must run on the host too.
+            temporaries (``a = sqrt(v); b = a + eps``), which must run on the host too,
+            and its tensor-less ops (a step counter kept on the CPU).
         tier: where gradient, state and the updated parameter live on the host.
     """
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..errors import PlanError, PolicyError
 from ..hardware import Hardware
 from ..plan import Plan
@@ -45,6 +47,7 @@ _MODULES: dict[str, tuple[str, str]] = {
 }
 _REGISTRY: dict[str, PolicyFn] = {}
 _OPTIONS: dict[str, tuple[PolicyOption, ...]] = {}
+_HOST_OPTIMIZER: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -84,13 +87,20 @@ class PolicyOptions:
         return (self.extra or {}).get(key, default)
 
 
-def register(name: str, options: tuple[PolicyOption, ...] = ()) -> Callable[[PolicyFn], PolicyFn]:
+def register(
+    name: str, options: tuple[PolicyOption, ...] = (), host_optimizer: bool = False
+) -> Callable[[PolicyFn], PolicyFn]:
     """Register ``fn`` as policy ``name`` taking ``options`` (every knob it reads from
-    :class:`PolicyOptions.extra` must be declared here)."""
+    :class:`PolicyOptions.extra` must be declared here). ``host_optimizer``: the policy
+    runs every optimizer update on the host (a :class:`~tierflow.plan.HostStep` per
+    parameter, as ZeRO-Offload does), so the optimizer ops' working sets do not bound
+    its budget (see :func:`resolve_budget`)."""
 
     def deco(fn: PolicyFn) -> PolicyFn:
         _REGISTRY[name] = fn
         _OPTIONS[name] = tuple(options)
+        if host_optimizer:
+            _HOST_OPTIMIZER.add(name)
         return fn
 
     return deco
@@ -120,16 +130,24 @@ def get_policy(name: str) -> PolicyFn:
     return _REGISTRY[name]
 
 
-def min_working_set(trace: Trace) -> tuple[int, int]:
-    """(bytes, op): the largest set of tensors a single op needs on the device."""
+def min_working_set(trace: Trace, host_optimizer: bool = False) -> tuple[int, int]:
+    """(bytes, op): the largest set of tensors a single op needs on the device; with
+    ``host_optimizer``, of the ops outside the optimizer phase (which then runs on the
+    host)."""
     ws = trace.working_set_bytes
+    if host_optimizer:
+        ws = np.where([o.phase == "optimizer" for o in trace.ops], 0, ws) if len(ws) else ws
     op = int(ws.argmax()) if len(ws) else 0
     return (int(ws[op]) if len(ws) else 0), op
 
 
-def resolve_budget(trace: Trace, hardware: Hardware, budget: str | int | float | None) -> float:
+def resolve_budget(
+    trace: Trace, hardware: Hardware, budget: str | int | float | None, host_optimizer: bool = False
+) -> float:
     """The device budget in bytes: ``None`` = the device's capacity; a size (``"20GiB"``)
-    or a share of the trace's unconstrained peak (``"30%"``).
+    or a share of the trace's unconstrained peak (``"30%"``). ``host_optimizer``: the
+    policy runs the optimizer step on the host, so the minimum working set is that of
+    the other ops.
 
     Raises:
         PolicyError: the budget is not a size, or exceeds the device.
@@ -153,7 +171,7 @@ def resolve_budget(trace: Trace, hardware: Hardware, budget: str | int | float |
         raise PolicyError(
             f"budget {fmt_bytes(value)} exceeds {hardware.name}'s device memory ({fmt_bytes(cap)})"
         )
-    need, op = min_working_set(trace)
+    need, op = min_working_set(trace, host_optimizer)
     if value < need:
         raise PlanError(
             f"no plan can fit in {fmt_bytes(value)} ({int(value)} bytes): op {op} "
@@ -172,7 +190,10 @@ def make_plan(
 ) -> Plan:
     """Run policy ``name``. See :func:`resolve_budget` for ``budget``."""
     fn = get_policy(name)
-    value = resolve_budget(trace, hardware, budget) if name != "ideal" else hardware.device_capacity
+    if name == "ideal":
+        value = hardware.device_capacity
+    else:
+        value = resolve_budget(trace, hardware, budget, host_optimizer=name in _HOST_OPTIMIZER)
     return fn(trace, hardware, PolicyOptions(value, seed, extra))
 
 

@@ -269,11 +269,14 @@ def no_fit(
     what: str,
     device_curve: np.ndarray,
     tiers: dict[str, Curve] | None = None,
+    host_optimizer: bool = False,
 ) -> PlanError:
-    """A :class:`PlanError` saying why ``policy`` cannot meet ``budget``, in bytes."""
+    """A :class:`PlanError` saying why ``policy`` cannot meet ``budget``, in bytes
+    (``host_optimizer``: the optimizer ops run on the host and are left out of the
+    minimum working set)."""
     from . import min_working_set
 
-    need, need_op = min_working_set(trace)
+    need, need_op = min_working_set(trace, host_optimizer)
     op = int(np.argmax(device_curve)) if len(device_curve) else 0
     peak = int(device_curve[op]) if len(device_curve) else 0
     full = [
