@@ -1,8 +1,8 @@
 """tierflow with all three levers (move, recompute, host step) beside move-only tierflow
 and every other policy present, on the issue-14 zoo rows and G10's five workloads.
 
-    python benchmarks/levers.py zoo [--cache /tmp/tierflow-zoo] [--cases gpt2-large,...] [--policies a,b]
-    python benchmarks/levers.py g10 [--g10 ../shared/benchmarks/g10] [--cases vit-1280,...]
+    python benchmarks/levers.py zoo [--cache /tmp/tierflow-zoo] [--cases gpt2-large,...] [--policies a,b] [--bound]
+    python benchmarks/levers.py g10 [--g10 ../shared/benchmarks/g10] [--cases vit-1280,...] [--bound]
 
 Per row: ratio ideal/step of ``tierflow`` (``levers=all``), of move-only tierflow
 (``levers=move``) and of each other policy, planning seconds (wall and CPU of this
@@ -79,7 +79,7 @@ def _tierflow(trace, hw, budget, levers):
     return ratio, wall, cpu, plan, info, scored
 
 
-def _row(label, trace, hw, budget, others):
+def _row(label, trace, hw, budget, others, bound: bool = False):
     ratio, wall, cpu, plan, info, scored = _tierflow(trace, hw, budget, "all")
     m_ratio, m_wall, m_cpu, *_ = _tierflow(trace, hw, budget, "move")
     cells = [label, f"{ratio:.4f}", f"{m_ratio:.4f}"]
@@ -94,6 +94,13 @@ def _row(label, trace, hw, budget, others):
     rs = info.get("recompute_s", 0.0)
     cells += [f"{wall:.1f} / {cpu:.1f}", f"{m_wall:.1f} / {m_cpu:.1f}", info.get("variant", "moves only"),
               f"{len(plan.recomputes)} ({rs * 1e3:.0f} ms)", str(len(plan.host_steps)), scored]
+    if bound:
+        from tierflow.bound import levers_bound
+        from tierflow.policies import resolve_budget
+
+        t0 = time.process_time()
+        b = levers_bound(trace, hw, resolve_budget(trace, hw, budget), points=100)
+        cells += [f"{b.bound_ratio:.4f}", f"{time.process_time() - t0:.1f}"]
     print("| " + " | ".join(cells) + " |", flush=True)
     return ratio, m_ratio, best_other
 
@@ -105,13 +112,15 @@ def main() -> None:
     ap.add_argument("--g10", default=str(Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "g10"))
     ap.add_argument("--cases", default=None, help="comma-separated models (zoo) or case directories (g10)")
     ap.add_argument("--policies", default=None, help="others to compare (default: every policy present)")
+    ap.add_argument("--bound", action="store_true", help="add the levers bound (tierflow.bound.levers_bound, 100 check ops)")
     args = ap.parse_args()
     others = (args.policies.split(",") if args.policies is not None and args.policies
               else [] if args.policies == "" else [p for p in policy_names() if p not in ("ideal", "tierflow")])
     print(f"Machine: {platform.machine()}, Python {platform.python_version()} (shared, noisy: planning seconds "
           f"are wall / CPU of this process)\n")
     head = ["case", "tierflow", "tierflow move-only"] + others + [
-        "plan s (wall / CPU)", "move-only plan s", "lever variant", "recomputes (time)", "host steps", "scored"]
+        "plan s (wall / CPU)", "move-only plan s", "lever variant", "recomputes (time)", "host steps", "scored"] + (
+        ["levers bound", "bound CPU s"] if args.bound else [])
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
     if args.table == "zoo":
@@ -123,14 +132,14 @@ def main() -> None:
             hw = load_hardware(hw_name)
             trace = _zoo_trace(model, batch, seq, dtype, hw, cache)
             label = f"{model} b{batch}{f' s{seq}' if seq else ''} {dtype}, {hw_name}, {budget or 'device'}"
-            _row(label, trace, hw, budget, others)
+            _row(label, trace, hw, budget, others, args.bound)
     else:
         hw = load_hardware("g10-a100")
         cases = args.cases.split(",") if args.cases else list(G10_CASES)
         cols: tuple[list[float], list[float]] = ([], [])
         for case in cases:
             trace = load_trace(Path(args.g10) / case)
-            ratio, m_ratio, _ = _row(case, trace, hw, None, others)
+            ratio, m_ratio, _ = _row(case, trace, hw, None, others, args.bound)
             cols[0].append(ratio)
             cols[1].append(m_ratio)
         print(f"\nGeometric mean: tierflow {_geomean(cols[0]):.4f}, move-only {_geomean(cols[1]):.4f}")
