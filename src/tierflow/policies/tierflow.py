@@ -53,6 +53,15 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    function of its inputs, and a 9,600-op trace gets fewer seeds and repairs than a
    1,300-op one.
 
+6. **Three levers** (``levers="all"``, the default; :mod:`._joint`). The move-only
+   plan above competes with plans that also recompute activations (re-running pure
+   forward ops before their backward use) and run optimizer updates on the host
+   (ZeRO-Offload's lever), chosen per tensor where memory is short, cheapest per byte
+   first, and with the peers' plans (checkpointing, ZeRO-Offload, ...): each
+   lever setting lowers the trace (re-run ops in, host-stepped ops out) so that steps
+   1-5 plan its moves, and the simulator judges the whole plan. ``levers="move"`` is
+   steps 1-5 alone.
+
 The result is whichever plan won: planned (checked by :func:`tierflow.plan.validate`)
 when the own pass, ``singa`` or ``deeptm`` wins, *reactive* (G10-style hints to the
 on-demand pager) when a ``g10`` seed wins; ``meta["seed"]`` says which. It is a pure function of
@@ -60,6 +69,7 @@ on-demand pager) when a ``g10`` seed wins; ``meta["seed"]`` says which. It is a 
 randomness, ties by ids.
 
 Options:
+    levers (str): ``"all"`` (default) or ``"move"`` (step 6).
     min_bytes (int): gaps below this size are not moved by the own pass, unless the
         fallback plan (made when the packed plan does not validate) needs them
         (default 1 MiB).
