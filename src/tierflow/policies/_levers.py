@@ -252,6 +252,27 @@ def host_step_options(trace: Trace, hw: Hardware) -> list[HostStepOption]:
     return out
 
 
+def reserve_for_moves(trace: Trace, options: list[RecomputeOption], capacity: float,
+                      bandwidth: float) -> tuple[set[int], float]:
+    """Tensors to leave to the movers rather than recompute: the dearest to recompute per
+    byte among those whose gap is long enough to hide a round trip over the link with
+    room to spare (four one-way transfer times), until ``capacity`` bytes. Returns (their
+    ids, their bytes). Moving them costs nothing where the link has room, recomputing
+    them costs their chains' time; the link's room is what the caller's ``capacity``
+    estimates (the bytes it carries one way during the forward pass, say)."""
+    start = trace.op_start_s
+    kept: set[int] = set()
+    total = 0.0
+    for o in sorted(options, key=lambda o: (-o.per_byte_s, o.tensor)):
+        if total + o.nbytes > capacity:
+            continue
+        if start[o.before_op] - start[o.drop_after + 1] < 4 * o.nbytes / bandwidth:
+            continue
+        kept.add(o.tensor)
+        total += o.nbytes
+    return kept, total
+
+
 def choose_recomputes(trace: Trace, options: list[RecomputeOption], over: np.ndarray,
                       max_per_byte_s: float = float("inf"), remake_early: bool = True) -> list[RecomputeOption]:
     """Options to take, cheapest per byte first, while they relieve ops over the line.
