@@ -21,6 +21,7 @@ from tierflow.policies._levers import (
     host_step_options,
     lower,
     recompute_options,
+    reserve_for_moves,
 )
 from tierflow.synthetic import gpt_trace
 from tierflow.trace import Op, TensorInfo, Trace
@@ -191,3 +192,26 @@ def test_all_levers_beat_moving_alone_where_memory_is_short():
     assert joint.meta["predicted_step_s"] < move.meta["predicted_step_s"]
     assert joint.recomputes and joint.meta["levers"]["recomputes"] == len(joint.recomputes)
     assert check_recomputes(trace, joint.recomputes) == []
+
+
+def test_reserve_leaves_the_dearest_long_gaps_to_the_links():
+    hw = load_hardware("rtx4090-24g")
+    trace = gpt_trace(hw, layers=4, d_model=512, batch=16, seq=512, vocab=8192)
+    opts = recompute_options(trace)
+    bw = 25e9
+    cap = sum(o.nbytes for o in opts) / 3
+    kept, nbytes = reserve_for_moves(trace, opts, cap, bw)
+    assert kept and nbytes == sum(o.nbytes for o in opts if o.tensor in kept) <= cap
+    start = trace.op_start_s
+    for o in opts:
+        if o.tensor in kept:
+            assert start[o.before_op] - start[o.drop_after + 1] >= 4 * o.nbytes / bw
+    # an option with a long enough gap is left out only if it does not fit the room left
+    for o in opts:
+        if o.tensor not in kept and start[o.before_op] - start[o.drop_after + 1] >= 4 * o.nbytes / bw:
+            assert o.nbytes > cap - nbytes
+    # the dearest per byte that fits is kept first
+    long_gap = [o for o in opts if start[o.before_op] - start[o.drop_after + 1] >= 4 * o.nbytes / bw]
+    dearest = max(long_gap, key=lambda o: (o.per_byte_s, -o.tensor))
+    assert dearest.nbytes > cap or dearest.tensor in kept
+    assert reserve_for_moves(trace, opts, 0, bw) == (set(), 0.0)
