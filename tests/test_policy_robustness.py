@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from helpers import simple_hw
 from tierflow.errors import PlanError
 from tierflow.policies import make_plan, min_working_set, policy_names, replan
+from tierflow.policies._joint import LEVERS_SIMULATED
 from tierflow.simulate import simulate
 from tierflow.synthetic import UPGRADES, training_trace, upgraded
 
@@ -133,6 +134,27 @@ def test_replanning_for_an_upgrade_with_the_planned_incumbent_is_never_slower(na
     after = simulate(trace, better, new).time_s
     assert new.meta["incumbent"]["rejected"] is None
     assert after <= before * (1 + REL_TOL) + 1e-12, f"{name}: {label}: {before:.6f} s -> {after:.6f} s"
+
+
+@pytest.mark.skipif(not LEVERS_SIMULATED, reason="the simulator does not price recompute and host steps yet")
+@given(data=st.data())
+def test_replanning_with_all_levers_for_an_upgrade_is_never_slower(data):
+    """The same property for tierflow with every lever (``levers="all"``: recompute and
+    host steps beside moves), whose plans are planned."""
+    trace, budget, base = _draw_base(data, faults=False)
+    label, up = data.draw(upgrades(), label="upgrade")
+    try:
+        old = make_plan("tierflow", trace, base, budget=budget, levers="all")
+    except PlanError:
+        return
+    if old.reactive:
+        return
+    before = simulate(trace, base, old).time_s
+    better = up(base)
+    new = replan("tierflow", trace, better, old, budget=budget, levers="all")
+    after = simulate(trace, better, new).time_s
+    assert new.meta["incumbent"]["rejected"] is None
+    assert after <= before * (1 + REL_TOL) + 1e-12, f"tierflow levers=all: {label}: {before:.6f} s -> {after:.6f} s"
 
 
 # Counterexamples the thorough profile found, kept as fixed regression cases:

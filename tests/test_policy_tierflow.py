@@ -18,11 +18,13 @@ def gpt():
     return gpt_trace(hw, layers=4, d_model=1024, batch=8, seq=512), hw
 
 
-def test_plan_is_planned_valid_and_within_budget(gpt):
+@pytest.mark.parametrize("levers", ["move", "all"])
+def test_plan_is_planned_valid_and_within_budget(gpt, levers):
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.5)
-    plan = make_plan("tierflow", trace, hw, budget=budget)
-    assert not plan.reactive and plan.frees_dead and plan.moves
+    plan = make_plan("tierflow", trace, hw, budget=budget, levers=levers)
+    assert not plan.reactive and plan.frees_dead
+    assert plan.moves or plan.recomputes or plan.host_steps
     residency = validate(plan, trace, hw)
     assert residency.tier_bytes[hw.device].max() <= budget
     r = simulate(trace, hw, plan)
@@ -34,7 +36,7 @@ def test_deterministic(gpt):
     budget = int(trace.peak_live_bytes * 0.5)
     a = make_plan("tierflow", trace, hw, budget=budget)
     b = make_plan("tierflow", trace, hw, budget=budget)
-    assert a.moves == b.moves
+    assert (a.moves, a.recomputes, a.host_steps) == (b.moves, b.recomputes, b.host_steps)
 
 
 @pytest.mark.parametrize("share", [0.35, 0.5, 0.7])
@@ -86,7 +88,7 @@ def test_at_least_as_good_as_its_seeds(gpt, share):
     budget = int(trace.peak_live_bytes * share)
     plan = make_plan("tierflow", trace, hw, budget=budget)
     ours = simulate(trace, hw, plan).ratio
-    assert plan.meta["seed"] in {"tierflow", "singa", "deeptm"} or plan.meta["seed"].startswith("g10")
+    assert plan.meta["seed"] in {"tierflow", "singa", "deeptm", "levers"} or plan.meta["seed"].startswith("g10")
     for base in ("singa", "g10"):
         try:
             theirs = simulate(trace, hw, make_plan(base, trace, hw, budget=budget)).ratio
@@ -101,7 +103,7 @@ def test_repair_never_worsens_and_own_pass_is_planned(gpt):
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.35)
-    own = make_plan("tierflow", trace, hw, budget=budget, portfolio=False)
+    own = make_plan("tierflow", trace, hw, budget=budget, portfolio=False, levers="move")
     assert not own.reactive and own.meta["seed"] == "tierflow"
     validate(own, trace, hw)
     seed = Plan("x", own.moves, budget_bytes=budget)
@@ -156,11 +158,12 @@ def test_work_budget_sizes_the_loop():
 def test_work_budget_caps_repair_simulations(gpt):
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.35)
-    plan = make_plan("tierflow", trace, hw, budget=budget, work_ops=3 * trace.n_ops)
+    # the move pipeline's own budget (levers="all" runs it beside its variants)
+    plan = make_plan("tierflow", trace, hw, budget=budget, work_ops=3 * trace.n_ops, levers="move")
     assert plan.meta["budget"]["repair_rounds"] == 3
     assert plan.meta["repair_simulations"] <= 3
     assert plan.meta["planning_cpu_s"] >= 0
-    again = make_plan("tierflow", trace, hw, budget=budget, work_ops=3 * trace.n_ops)
+    again = make_plan("tierflow", trace, hw, budget=budget, work_ops=3 * trace.n_ops, levers="move")
     assert again.moves == plan.moves  # a work cap, not a clock: deterministic
 
 
@@ -257,7 +260,7 @@ def test_tier_repair_swaps_a_slow_arrival_with_a_fast_tier_stay(gpt):
     hw = load_hardware("a100-40g-pcie4-nvme")
     small = hw.with_tier("host", capacity=float(trace.peak_live_bytes * 0.05))
     budget = int(trace.peak_live_bytes * 0.5)
-    own = make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0)
+    own = make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0, levers="move")
     plan = Plan("x", own.moves, budget_bytes=budget)
     _, res = simulate_score(trace, small, plan)
     stalled = np.flatnonzero(res.op_stall_s > 1e-9)
@@ -331,7 +334,8 @@ def test_budget_left_by_the_best_seed_repairs_the_next_ones(sims, most):
                            [21, 1, 29, 20, 8, 6, 16, 23, 8, 30, 27, 29, 5, 13])
     hw = toy_hardware(pcie_gbps=1.0, host_gib=0.05, fault_us=45.0)
     extra = {} if sims is None else {"work_ops": sims * trace.n_ops}
-    plan = make_plan("tierflow", trace, hw, budget=245_325_608, **extra)
+    # the move pipeline's portfolio and repairs (levers="all" runs it beside its variants)
+    plan = make_plan("tierflow", trace, hw, budget=245_325_608, levers="move", **extra)
     repaired = plan.meta["repaired_seeds"]
     seeds = sorted(plan.meta["seed_scores"].items(), key=lambda kv: kv[1])
     g10_settings = sum(name.startswith("g10") for name, _ in seeds)
@@ -420,8 +424,8 @@ def test_spill_repair_brings_queued_ssd_stays_into_host_room(gpt):
     # a planned plan is left to its planner's tiers
     from tierflow.plan import Plan
 
-    planned = Plan("x", make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0).moves,
-                   budget_bytes=budget)
+    planned = Plan("x", make_plan("tierflow", trace, small, budget=budget, portfolio=False, work_ops=0,
+                                  levers="move").moves, budget_bytes=budget)
     _, res_p = simulate_score(trace, small, planned)
     assert repair(trace, small, planned, res_p, 1.0, frozenset({"spill"})) is None
 

@@ -90,7 +90,10 @@ class Recompute:
             ``torch.utils.checkpoint`` re-runs a block's BatchNorm, updating its running
             statistics a second time; the ``checkpoint`` and ``selective`` peer
             policies do that by default and say so in ``Plan.meta["impure_reruns"]``).
-        before_op: the op the chain runs just before (the first use after the drop).
+        before_op: the op the chain runs just before: at or before each tensor's first
+            use after its drop (earlier where a tensor is re-made for a chain that reads
+            it, as when a product of two dropped projections is re-made before either
+            projection's own backward use).
         restore_rng: the executor restores the RNG state each op first ran with, as
             ``torch.utils.checkpoint`` does; required when a re-run op draws random
             numbers (``Op.rng``).

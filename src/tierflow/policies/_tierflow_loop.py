@@ -39,6 +39,7 @@ function of its inputs: a fixed number of simulations, no wall clock, ties broke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -202,9 +203,8 @@ def repair(trace: Trace, hw: Hardware, plan: Plan, res, factor: float,
             changed = True
     if not changed:
         return None
-    new = Plan(plan.policy, tuple(moves) + tuple(added), budget_bytes=plan.budget_bytes,
-               reactive=plan.reactive, frees_dead=plan.frees_dead, refetch_dead=plan.refetch_dead,
-               headroom=plan.headroom, meta=dict(plan.meta))
+    # every field kept but the moves (recompute and host-step records included)
+    new = dataclasses.replace(plan, moves=tuple(moves) + tuple(added), meta=dict(plan.meta))
     try:
         validate(new, trace, hw)
     except PlanError:
@@ -429,7 +429,7 @@ def _reorder_repair(trace: Trace, hw: Hardware, plan: Plan, res, stalled: np.nda
         return moves, False
     starts, ends, stall = res.op_start_s, res.op_end_s, res.op_stall_s
     try:
-        curve = validate(Plan(plan.policy, tuple(moves), budget_bytes=plan.budget_bytes), trace, hw)
+        curve = validate(dataclasses.replace(plan, moves=tuple(moves)), trace, hw)
     except PlanError:
         return moves, False
     dev = curve.tier_bytes[hw.device].astype(np.float64)

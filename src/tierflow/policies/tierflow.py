@@ -53,6 +53,15 @@ How a plan is made (:func:`_build`, one pass for one setting of the knobs):
    function of its inputs, and a 9,600-op trace gets fewer seeds and repairs than a
    1,300-op one.
 
+6. **Three levers** (``levers="all"``, the default; :mod:`._joint`). The move-only
+   plan above competes with plans that also recompute activations (re-running pure
+   forward ops before their backward use) and run optimizer updates on the host
+   (ZeRO-Offload's lever), chosen per tensor where memory is short, cheapest per byte
+   first, and with the peers' plans (checkpointing, ZeRO-Offload, ...): each
+   lever setting lowers the trace (re-run ops in, host-stepped ops out) so that steps
+   1-5 plan its moves, and the simulator judges the whole plan. ``levers="move"`` is
+   steps 1-5 alone.
+
 The result is whichever plan won: planned (checked by :func:`tierflow.plan.validate`)
 when the own pass, ``singa`` or ``deeptm`` wins, *reactive* (G10-style hints to the
 on-demand pager) when a ``g10`` seed wins; ``meta["seed"]`` says which. It is a pure function of
@@ -60,6 +69,7 @@ on-demand pager) when a ``g10`` seed wins; ``meta["seed"]`` says which. It is a 
 randomness, ties by ids.
 
 Options:
+    levers (str): ``"all"`` (default) or ``"move"`` (step 6).
     min_bytes (int): gaps below this size are not moved by the own pass, unless the
         fallback plan (made when the packed plan does not validate) needs them
         (default 1 MiB).
@@ -515,9 +525,30 @@ def _seeds(trace: Trace, hw: Hardware, options: PolicyOptions, opts: dict, budge
             return
 
 
+def _default_levers() -> str:
+    """'all' once the simulator and validator price recompute and host steps
+    (``_joint.LEVERS_SIMULATED``); until then a plan with them could not be checked, so
+    'move' (the levers are still there on request)."""
+    from ._joint import LEVERS_SIMULATED
+
+    return "all" if LEVERS_SIMULATED else "move"
+
+
+OPTIONS = (
+    PolicyOption("levers", str, _default_levers(), "which levers to plan with: 'move' (moves only, as "
+                 "before the three levers) or 'all' (moves, recompute and host-side optimizer steps)",
+                 ("move", "all")),
+) + OPTIONS
+
+
 @register("tierflow", OPTIONS)
 def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
     """Plan with ``tierflow`` (see the module docstring for the method and options).
+
+    With ``levers="all"`` the move-only plan competes with plans that also recompute and
+    host-step (:mod:`._joint`); ``levers="move"`` is the move-only planner alone. The
+    default is ``"all"`` once the simulator prices those actions (see
+    :func:`_default_levers`).
 
     The portfolio and the loop are sized by a work budget in simulated trace ops (option
     ``work_ops``, see ``_WORK_OPS``), not by a clock, so the plan is a pure function of
@@ -533,6 +564,20 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         >>> plan.policy
         'tierflow'
     """
+    levers = (options.extra or {}).get("levers", _default_levers())
+    if levers not in ("move", "all"):
+        from ..errors import PolicyError
+
+        raise PolicyError(f"tierflow: option 'levers' is {levers!r}, expected 'move' or 'all'")
+    if levers == "move":
+        return plan_moves(trace, hardware, options)
+    from ._joint import plan_joint
+
+    return plan_joint(trace, hardware, options)
+
+
+def plan_moves(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
+    """tierflow's move-only planner (steps 1-5 of the module docstring)."""
     from ..plan import validate
 
     t0 = time.perf_counter()

@@ -1362,8 +1362,13 @@ class Run:
             name = arg
             if name == "tierflow" and "tierflow" not in policy_names():
                 name = "deepum"  # ours is not in this build yet: the best present baseline
+            options = dict(self._policy_options)
+            if name == "tierflow":
+                # this executor follows moves only: until it runs recompute chains and
+                # host optimizer steps (issue 14's runtime side), tierflow plans moves
+                options.setdefault("levers", "move")
             try:
-                plan = make_plan(name, trace, hw, budget=budget, **self._policy_options)
+                plan = make_plan(name, trace, hw, budget=budget, **options)
             except PlanError as e:
                 # The policy cannot plan for this budget (the budget itself is above the
                 # minimum working set: checked above). Training goes on with the reactive
