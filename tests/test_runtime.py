@@ -313,3 +313,16 @@ def test_demo_run_prints_pipeline(tmp_path):
     assert res.parity is True
     assert "predicted" in text and "parity" in text
     assert Path(tmp_path).exists() and list(Path(tmp_path).iterdir()) == []
+
+
+def test_offload_refuses_a_bad_policy_option_before_any_step():
+    # checked when the run is made, not after the profiled iteration: nothing has moved
+    from tierflow.errors import PolicyError
+    from tierflow.runtime import Run
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PolicyError, match="lookahead"):
+        Run(model, opt, budget="50%", policy="deepum", policy_options={"lookahead": "many"})
+    with pytest.raises(PolicyError, match="foo"):
+        Run(model, opt, budget="50%", policy="deepum", policy_options={"foo": 1})

@@ -34,8 +34,7 @@ How it maps onto the Trainer (``transformers/trainer.py``, ``_inner_training_loo
 The runtime begins an iteration at the model's first forward; a forward inside
 ``untracked()`` must not begin one, or the data loading that follows an evaluation (the
 DataLoader's ``record_function`` op) would become the first op of a planned iteration and
-a departure from the plan. ``_TrainerRun`` adds that rule to :class:`Run` here, in one
-method, until the runtime has it (then ``offload()`` replaces it).
+a departure from the plan; :class:`tierflow.runtime.Run` follows that rule.
 
 Limits: one process (the Trainer's DDP/FSDP wrapping is not handled here; use
 ``tierflow.offload`` in your own loop for that, see docs/distributed.md). The evaluation's
@@ -57,15 +56,6 @@ except ImportError as e:  # pragma: no cover - exercised only where transformers
     ) from e
 
 from ..runtime import Run
-
-
-class _TrainerRun(Run):
-    """A :class:`Run` in which a forward inside ``untracked()`` (evaluation) does not
-    begin an iteration."""
-
-    def _on_forward(self, module, args):
-        if not self._untracked:
-            super()._on_forward(module, args)
 
 
 class TierflowCallback(TrainerCallback):
@@ -101,8 +91,8 @@ class TierflowCallback(TrainerCallback):
     # -- the run's life -------------------------------------------------------------------
     def _open(self) -> None:
         if self.run is None:
-            run = _TrainerRun(self._model, self._optimizer, budget=self.budget, policy=self.policy,
-                              ssd_dir=self.ssd_dir, **self.options)
+            run = Run(self._model, self._optimizer, budget=self.budget, policy=self.policy,
+                      ssd_dir=self.ssd_dir, **self.options)
             run.__enter__()
             self.run = run
             self.runs.append(run)

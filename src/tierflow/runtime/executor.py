@@ -381,6 +381,11 @@ class Run:
         self.budget = math.inf if self._budget_bytes is None else self._budget_bytes
         self._policy_arg = policy
         self._policy_options = dict(policy_options or {})
+        if isinstance(policy, str):
+            # refuse an unknown policy or a bad option now, not after the profiled step
+            from ..policies import check_options
+
+            self._policy_options = check_options(policy, self._policy_options)
         self._ssd_dir = ssd_dir
         self._hardware_arg = hardware
         self._host_bytes, self._ssd_bytes = host_bytes, ssd_bytes
@@ -502,6 +507,10 @@ class Run:
 
     # == iterations ========================================================================
     def _on_forward(self, module, args):
+        # a forward inside untracked() (evaluation) begins no iteration: otherwise the
+        # data loading after it would become the first op of a planned iteration
+        if self._untracked:
+            return
         if not self._in_iter:
             self._quiet = True
             try:
@@ -1340,7 +1349,7 @@ class Run:
                         description="CPU mode: device and host are both RAM, the budget accounted")
 
     def _make_plan(self, trace: Trace) -> None:
-        from ..policies import make_plan, min_working_set, policy_names
+        from ..policies import make_plan, min_working_set
         from ..simulate import simulate
 
         hw = self._hardware_for(trace)
@@ -1360,8 +1369,6 @@ class Run:
             plan = arg(trace, hw, self.budget)
         else:
             name = arg
-            if name == "tierflow" and "tierflow" not in policy_names():
-                name = "deepum"  # ours is not in this build yet: the best present baseline
             options = dict(self._policy_options)
             if name == "tierflow":
                 # this executor follows moves only: until it runs recompute chains and
@@ -1488,8 +1495,7 @@ def offload(
             iteration then runs unconstrained). ``None``: no limit (the plan only moves
             what the policy wants moved). A budget below the minimum working set raises
             :class:`BudgetError` before the first optimizer step.
-        policy: a name from :func:`tierflow.policies.policy_names` (``"tierflow"`` falls
-            back to ``"deepum"`` while it is not in the build), or a callable
+        policy: a name from :func:`tierflow.policies.policy_names`, or a callable
             ``(trace, hardware, budget_bytes) -> Plan``.
         ssd_dir: directory for the SSD tier's file (none: no SSD tier; plans that name
             one send those moves to host and count ``tier_fallbacks``).
