@@ -50,6 +50,8 @@ def fmt_bytes(n: float) -> str:
 def fmt_seconds(s: float) -> str:
     if s != s or s == float("inf"):
         return "inf"
+    if -1e-9 < s < 0.0:
+        s = 0.0  # rounding residue of a sum of per-op stalls: print no "-0.0 us"
     if s >= 1.0:
         return f"{s:.3f} s"
     if s >= 1e-3:
