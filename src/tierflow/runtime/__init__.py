@@ -1,10 +1,28 @@
 """The runtime: execute a plan in real PyTorch training.
 
 ``tierflow.offload(model, optimizer, budget=..., policy=..., ssd_dir=...)`` returns a
-context manager; the user's loop runs inside it unchanged. See
-:mod:`tierflow.runtime.executor` for how, :mod:`.tiers` for the host pool and SSD file,
-:mod:`.streams` for the copies, :mod:`.plans` for the round-trip test plan, and
-:func:`demo_run` / ``tierflow train`` for a whole pipeline on a zoo model.
+context manager; the user's loop runs inside it unchanged.
+
+Layout (one job per module; :class:`~.executor.Run` is assembled from the mixins):
+
+- :mod:`.executor`: ``Run`` and ``offload``: the dispatch mode, the iteration's
+  lifecycle (begin, end, profile or follow), and the per-op handler.
+- :mod:`.storages`: the record of each device storage (``_Entry``), labels (parameter,
+  gradient, optimizer state, activation), pack/unpack hooks, collectives in flight.
+- :mod:`.moves`: evictions and fetches between the device, the host pool and the SSD
+  file, and retiring finished copies and writes.
+- :mod:`.follow`: following a plan: the moves after each op, planned prefetches,
+  victims, the pool layout, stale iterations.
+- :mod:`.profiling`: the profiled iteration to a trace, the hardware model, the plan
+  and its prediction, the minimum-working-set check.
+- :mod:`.optim_chunks`: the user's optimizer step run in parameter chunks that fit the
+  budget (foreach and fused optimizers).
+- :mod:`.recompute`, :mod:`.host_step`: executing the plan's recompute chains and
+  host-side optimizer steps.
+- :mod:`.tiers` (host pool, SSD file), :mod:`.streams` (the copy layer),
+  :mod:`.stats` (``RunStats``), :mod:`.distributed` (ranks planning together),
+  :mod:`.plans` (the round-trip test plan), :mod:`.training` (``tierflow train`` and the
+  demo on a zoo model), :mod:`.cli`.
 """
 
 from __future__ import annotations
@@ -20,7 +38,7 @@ _LAZY = {
     "SSDError": ".errors",
     "RankMismatchError": ".distributed",
     "Run": ".executor",
-    "RunStats": ".executor",
+    "RunStats": ".stats",
     "offload": ".executor",
     "roundtrip_plan": ".plans",
     "TrainResult": ".training",

@@ -16,7 +16,9 @@ import torch
 
 from ..errors import TierflowError
 from ..units import fmt_bytes, fmt_seconds
-from .executor import PolicyArg, RunStats, _plain, offload
+from .executor import PolicyArg, offload
+from .stats import RunStats
+from .storages import _plain
 
 
 @dataclass

@@ -1,0 +1,123 @@
+"""Following a plan: after op ``k`` of a planned iteration, issue the plan's moves "after
+op ``k``"; queue planned prefetches until they fit the budget (as simulated); choose
+victims when the budget forces more (Belady on the trace's next use while a plan is
+followed, least recently used otherwise); lay out the host pool and SSD file ahead of
+time with the pool planner; and record why an iteration departed from the trace.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..errors import TierflowError
+from ..trace import Trace
+from .storages import AWAY, OWNED, RESIDENT, _Entry
+
+
+class PlanFollowing:
+    """The plan follower (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+
+    def _fire(self, op: int, hints: bool = False) -> None:
+        assert self.plan is not None and self.trace is not None
+        for m in self.plan.by_op.get(op, ()):
+            info = self.trace.tensors[m.tensor]
+            if info.persistent:
+                e = self._by_key.get(info.key or "")
+            else:
+                e = self._iter_entries[m.tensor] if m.tensor < len(self._iter_entries) else None
+            if e is None or e.ref() is None or e.kind not in OWNED or not e.resizable:
+                self.stats.skipped_moves += 1
+                continue
+            if m.kind == "evict":
+                rt = self._tier_of(m.tier)
+                done = self._evict(e, rt, self._layout.get((m.tensor, op + 1, rt)))
+            elif e.state == RESIDENT or e in self._pending:
+                done = False
+            elif hints:  # a UVM-style prefetch hint makes room, like a fault
+                self._make_room(e.nbytes, [])
+                done = self._prefetch(e)
+            else:  # a planned prefetch never evicts: it waits for room (as simulated)
+                self._pending.append(e)
+                continue
+            if done:
+                self.stats.planned_moves += 1
+            else:
+                self.stats.skipped_moves += 1
+        self._issue_pending()
+
+    def _issue_pending(self) -> None:
+        """Start queued planned prefetches, in order, while they fit the budget."""
+        while self._pending:
+            e = self._pending[0]
+            if e.ref() is None or e.state != AWAY:
+                self._pending.popleft()
+                continue
+            if self._device_bytes + e.nbytes > self.budget:
+                return
+            self._pending.popleft()
+            if self._prefetch(e):
+                self.stats.planned_moves += 1
+
+    def _victims(self, pinned: set[int]) -> list[_Entry]:
+        """Owned resident tensors in eviction order: following a plan, the one the trace
+        uses furthest in the future first (Belady); otherwise least recently used first."""
+        cands = [e for c, e in self._lru.items() if c not in pinned]
+        if not (self._in_iter and self._planned and not self._stale):
+            return cands
+        trace, now, n = self.trace, self._op, self.trace.n_ops
+
+        def next_use(e: _Entry) -> float:
+            tid = self._key_tid.get(e.key) if e.persistent else self._iter_tid.get(e.cdata)
+            if tid is None:
+                return math.inf
+            uses = trace.uses(tid)
+            j = int(np.searchsorted(uses, now, side="right"))
+            if j < len(uses):
+                return float(uses[j])
+            return float(uses[0] + n) if e.persistent else math.inf
+
+        return sorted(cands, key=next_use, reverse=True)
+
+    def _plan_layout(self, trace: Trace, plan: Any, hw: Any) -> dict[tuple[int, int, str], int]:
+        """Offsets in the host pool and the SSD file for every stay a planned plan puts
+        there, laid out ahead of time by the pool planner (``tierflow.pool``, greedy: it
+        is fast and deterministic) so that the pool's layout follows the plan's
+        lifetimes instead of the order moves happen to arrive in. Keyed by (tensor,
+        first op of the stay, runtime tier). A reactive plan has no planned residency."""
+        if plan.reactive:
+            return {}
+        from ..pool import from_trace, solve
+
+        arenas = {"host": self._host.arena}
+        if self._ssd is not None:
+            arenas["ssd"] = self._ssd.arena
+        layout: dict[tuple[int, int, str], int] = {}
+        for tier in hw.offload_tiers:
+            rt = self._tier_of(tier)
+            if rt not in arenas:
+                continue
+            try:
+                problem = from_trace(trace, plan, hw, tier=tier, alignment=arenas[rt].align)
+            except TierflowError:
+                continue  # a plan the walk rejects: its moves take first-fit slots
+            if not problem.buffers:
+                continue
+            sol = solve(problem, "greedy")
+            for b, off in zip(problem.buffers, sol.offsets.tolist()):
+                layout[(int(b.id.split(".")[0]), b.lower, rt)] = int(off)
+        return layout
+
+    def _tier_of(self, name: str | None) -> str:
+        """The runtime tier (``host`` or ``ssd``) for a plan's tier name."""
+        if name is None or self.hardware is None or not self.hardware.has_tier(name):
+            return "host"
+        return "ssd" if self.hardware.tier(name).kind == "ssd" else "host"
+
+    def _mark_stale(self, why: str) -> None:
+        self._stale = True
+        self.stats.stale_plans += 1
+        if len(self.stats.stale_reasons) < 5:
+            self.stats.stale_reasons.append(why)

@@ -1,0 +1,285 @@
+"""The tiers and the copies: evicting a storage to the host pool or the SSD file, bringing
+it back (planned prefetch or on-demand fetch), and retiring what finished.
+
+An eviction copies the storage's bytes out (host pool slot, or SSD bounce slot then an
+asynchronous file write) and shrinks the storage to zero bytes; a fetch grows it back
+and copies the bytes in. Copies go through :class:`~tierflow.runtime.streams.Copier`
+(one side stream on CUDA, at once on CPU); slots are released only when the copy that
+reads them has completed (``_frees``), and an SSD write is retired when its future
+says so (``_writes``). An I/O error never loses bytes: a failed write restores the
+tensor from its bounce slot, a failed read leaves it in the file.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..units import fmt_bytes
+from .errors import OffloadError, SSDError
+from .storages import AWAY, INCOMING, OWNED, RESIDENT, _Entry, _u8
+from .streams import Copier
+
+
+class Moves:
+    """Evictions, fetches and their bookkeeping (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+
+    def _make_room(self, need: int, keep: list[_Entry]) -> None:
+        """Evict least recently used owned tensors (not those in ``keep``) until ``need``
+        more bytes fit the budget."""
+        if self._device_bytes + need <= self.budget:
+            return
+        if self._foreign:  # storages FSDP freed still count at their old size until looked at
+            self._sync_foreign()
+            if self._device_bytes + need <= self.budget:
+                return
+        if self._in_step:  # state the optimizer created in this step is evictable too
+            self._label_opt_state()
+        pinned = {e.cdata for e in keep}
+        for e in self._victims(pinned):
+            if self._device_bytes + need <= self.budget:
+                break
+            if self._evict(e, "host"):
+                self.stats.unplanned_evictions += 1
+
+    def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
+        st = e.ref()
+        if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
+            return False
+        if e.pins and not self._unpin(e):
+            self.stats.busy_refusals += 1
+            return False
+        if st.nbytes() != e.nbytes:  # resized behind our back: its owner manages it
+            self._make_foreign(e)
+            self._sync_foreign()
+            return False
+        n = e.nbytes
+        if tier == "ssd" and self._ssd is None:
+            tier = "host"
+            self.stats.tier_fallbacks += 1
+        if tier == "host":
+            off = self._host.arena.alloc_at(slot, n) if slot is not None else None
+            if off is not None:
+                self.stats.planned_slots += 1
+            else:
+                off = self._host.arena.alloc(n)
+            if off is None:
+                self._reap(wait=True)
+                off = self._host.arena.alloc(n)
+            if off is None:
+                if self._ssd is None:
+                    raise OffloadError(
+                        f"host pool full: {e.label} needs {fmt_bytes(n)}, {fmt_bytes(self._host.arena.free)} free "
+                        f"of {fmt_bytes(self._host.capacity)} (pass a larger host_bytes, or an ssd_dir to spill to)"
+                    )
+                tier = "ssd"
+                self.stats.tier_fallbacks += 1
+        if e.arrival is not None:  # it is still arriving: the copy out must follow the copy in
+            self._copier.wait(e.arrival)
+            e.arrival = None
+        src = _u8(st, n)
+        if tier == "host":
+            self._copier.copy(self._host.view(off, n), src, src)
+            e.slot = off
+        else:
+            assert self._ssd is not None
+            foff = self._ssd.alloc_file(n, e.label, at=slot)
+            if slot is not None and foff == slot:
+                self.stats.planned_slots += 1
+            boff = self._bounce_alloc(n)
+            ev = self._copier.copy(self._ssd.bounce_view(boff, n), src, src)
+            before = (lambda ev=ev: ev.synchronize()) if ev is not None else None
+            e.slot, e.bounce = foff, boff
+            e.io = self._ssd.submit(True, boff, foff, n, before)
+            self._writes.append(e)
+        del src
+        st.resize_(0)
+        e.state, e.tier = AWAY, tier
+        self._device_bytes -= n
+        self._lru.pop(e.cdata, None)
+        self._count(f"device->{tier}", tier, n)
+        k = f"{e.kind}@{tier}"
+        self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
+        return True
+
+    def _bounce_alloc(self, n: int) -> int:
+        assert self._ssd is not None
+        off = self._ssd.bounce.alloc(n)
+        while off is None and self._writes:
+            self._finish_write(self._writes[0], wait=True)
+            off = self._ssd.bounce.alloc(n)
+        if off is None:
+            self._reap(wait=True)
+            off = self._ssd.bounce.alloc(n)
+        if off is None:
+            raise OffloadError(
+                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(self._ssd.bounce.capacity)}); "
+                "pass a larger ssd_bytes"
+            )
+        return off
+
+    def _prefetch(self, e: _Entry) -> bool:
+        """Start bringing ``e`` back; an SSD read proceeds in the background."""
+        if e.state != AWAY:
+            return False
+        if e.tier == "ssd" and e.bounce < 0:
+            assert self._ssd is not None
+            boff = self._bounce_alloc(e.nbytes)
+            e.bounce = boff
+            e.io = self._ssd.submit(False, boff, e.slot, e.nbytes)
+            e.state = INCOMING
+            return True
+        self._fetch(e)
+        return True
+
+    def _ensure_resident(self, e: _Entry) -> None:
+        if e.state != RESIDENT:
+            # an SSD read that already landed in its bounce slot is a prefetch that worked
+            landed = e.state == INCOMING and e.io is not None and e.io.done()
+            t0 = time.perf_counter()
+            self._fetch(e)
+            if not landed:
+                self.stats.stalls += 1
+                self.stats.stall_s += time.perf_counter() - t0
+        if e.arrival is not None:
+            self._copier.wait(e.arrival)
+            e.arrival = None
+
+    def _fetch(self, e: _Entry) -> None:
+        """Bring ``e`` back to the device now (an SSD read in flight is waited for)."""
+        st = e.ref()
+        n = e.nbytes
+        if st is None:
+            return
+        if st.nbytes() != 0:  # its owner grew it again while it was away: the bytes are theirs now
+            self._drop_away(e, st)
+            return
+        if e.tier == "host":
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = self._copier.copy(dst, self._host.view(e.slot, n), dst)
+            self._frees.append((ev, self._host.arena, e.slot, n))
+        else:
+            assert self._ssd is not None
+            if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
+                self._finish_write(e, wait=True, keep_bounce=True)
+            elif e.state == AWAY:
+                e.bounce = self._bounce_alloc(n)
+                e.io = self._ssd.submit(False, e.bounce, e.slot, n)
+            if e.io is not None:  # a read
+                try:
+                    e.io.result()
+                except OSError as err:
+                    e.io = None
+                    self._ssd.bounce.release(e.bounce, n)
+                    e.bounce, e.state = -1, AWAY
+                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {self._ssd.path} failed: "
+                                   f"{err.strerror or err}; it stays in the file") from None
+                e.io = None
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = self._copier.copy(dst, self._ssd.bounce_view(e.bounce, n), dst)
+            self._frees.append((ev, self._ssd.bounce, e.bounce, n))
+            self._ssd.arena.release(e.slot, n)
+            e.bounce = -1
+        e.arrival = ev
+        e.state, e.slot = RESIDENT, -1
+        tier, e.tier = e.tier, None
+        self._device_bytes += n
+        self._count(f"{tier}->device", tier or "host", n)
+        if e.kind in OWNED:
+            self._lru[e.cdata] = e
+
+    def _drop_away(self, e: _Entry, st: torch.UntypedStorage) -> None:
+        """Forget the copy of an away storage that someone else re-allocated (and will
+        fill): give back its slots, account it resident, never move it again."""
+        self._give_back_slots(e)
+        e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
+        e.nbytes = int(st.nbytes())
+        self._device_bytes += e.nbytes
+        self._make_foreign(e)
+
+    def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
+        """Retire an SSD write: release its bounce slot, or on failure put the tensor back
+        on the device from the bounce copy and raise :class:`SSDError`."""
+        assert self._ssd is not None
+        if e.io is None or (not wait and not e.io.done()):
+            return
+        try:
+            e.io.result()
+            err = None
+        except OSError as x:
+            err = x
+        if e in self._writes:
+            self._writes.remove(e)
+        e.io = None
+        if err is None:
+            if not keep_bounce:
+                self._ssd.bounce.release(e.bounce, e.nbytes)
+                e.bounce = -1
+            return
+        # the write failed: nothing is lost, the bytes are still in the bounce slot
+        n = e.nbytes
+        self._ssd.arena.release(e.slot, n)
+        st = e.ref()
+        if st is not None:
+            st.resize_(n)
+            _u8(st, n).copy_(self._ssd.bounce_view(e.bounce, n))
+            self._device_bytes += n
+            if e.kind in OWNED:
+                self._lru[e.cdata] = e
+        self._ssd.bounce.release(e.bounce, n)
+        e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
+        raise SSDError(
+            f"SSD write of {e.label} ({fmt_bytes(n)}) to {self._ssd.path} failed: {err.strerror or err}; "
+            "it was restored to the device, model and optimizer state are intact"
+        )
+
+    def _drain_writes(self, raise_errors: bool = True) -> None:
+        while self._writes:
+            try:
+                self._finish_write(self._writes[0], wait=True)
+            except SSDError:
+                if raise_errors:
+                    raise
+
+    def _count(self, direction: str, tier: str, n: int) -> None:
+        st = self.stats
+        st.transfers[direction] = st.transfers.get(direction, 0) + n
+        st.moved_bytes[tier] = st.moved_bytes.get(tier, 0) + n
+
+    def _reap(self, wait: bool = False) -> None:
+        """Retire what finished: dead storages, completed copies (slots freed), SSD
+        writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
+        while self._dead:
+            e = self._entries.get(self._dead.popleft())
+            if e is not None and e.ref() is None:  # (alive: the address holds a new storage)
+                self._retire(e)
+        if self._inflight:
+            self._inflight = [r for r in self._inflight if not self._release(r)]
+        while self._frees and (wait or Copier.done(self._frees[0][0])):
+            ev, arena, off, n = self._frees.popleft()
+            Copier.synchronize(ev)
+            arena.release(off, n)
+        for e in list(self._writes):
+            self._finish_write(e, wait=wait)
+
+    def _give_back_slots(self, e: _Entry) -> None:
+        """Give back what an away storage holds outside the device: its SSD write is
+        waited for first (its bytes are being dropped, so an error no longer matters),
+        then its bounce slot and its host or SSD slot."""
+        if e.io is not None:
+            try:
+                e.io.result()
+            except OSError:
+                pass
+            if e in self._writes:
+                self._writes.remove(e)
+            e.io = None
+        if e.bounce >= 0 and self._ssd is not None:
+            self._ssd.bounce.release(e.bounce, e.nbytes)
+        if e.tier == "host":
+            self._host.arena.release(e.slot, e.nbytes)
+        elif self._ssd is not None:
+            self._ssd.arena.release(e.slot, e.nbytes)

@@ -1,0 +1,206 @@
+"""Profiling and planning: the profiled iteration becomes a :class:`~tierflow.trace.Trace`
+(ops with measured times, storages with their kinds and runtime keys), the hardware the
+planner assumes is built (CUDA: a preset with the real device's capacity; CPU: RAM as
+device and host with the measured copy bandwidth), the policy plans, the plan is
+validated and simulated, and the follower's tables are built. A budget below the
+minimum working set is refused here, before the first optimizer step changes anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import replace
+
+import torch
+
+from ..errors import PlanError, TierflowError
+from ..hardware import Compute, Hardware, Link, Tier, load_hardware
+from ..plan import Plan, validate
+from ..trace import Op, TensorInfo, Trace
+from ..units import fmt_bytes
+from .errors import BudgetError
+from .storages import _storage_bytes
+
+
+def _measure_copy_bw(device: torch.device) -> float:
+    """Bytes/s of one 16 MiB device-to-host copy (the CPU-mode "link")."""
+    n = 16 << 20
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty(n, dtype=torch.uint8)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        b.copy_(a)
+    return 3 * n / max(time.perf_counter() - t0, 1e-9)
+
+
+class Profiling:
+    """Profile, plan and predict (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+
+    def _on_step_pre(self, optimizer, args, kwargs) -> None:
+        self._in_step = True
+        if self._in_iter and self._recording and self._budget_bytes is not None:
+            self._check_working_set()
+
+    def _check_working_set(self) -> None:
+        """Refuse, before the first optimizer step changes anything, a budget below what
+        one op of forward/backward needs, or what the update of one parameter needs."""
+        sizes = [e.nbytes for e in self._iter_entries]
+        worst, where = 0, ""
+        for j, (name, _ph, _d, ins, outs) in enumerate(self._rec):
+            ws = sum(sizes[t] for t in set(ins) | set(outs))
+            if ws > worst:
+                worst, where = ws, f"op {j} ({name})"
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                fused = bool(g.get("foreach") or g.get("fused"))
+                group = 0
+                for p in g["params"]:
+                    if p.grad is None:
+                        continue
+                    b = _storage_bytes(p) + _storage_bytes(p.grad)
+                    b += sum(_storage_bytes(v) for v in self.optimizer.state.get(p, {}).values()
+                             if isinstance(v, torch.Tensor) and v.device.type == self.device.type)
+                    group = group + b if fused else max(group, b)
+                if group > worst:
+                    worst, where = group, "the optimizer step" + (" (foreach: all parameters at once)" if fused else "")
+        if worst > self.budget:
+            raise BudgetError(
+                f"budget {fmt_bytes(self.budget)} ({int(self.budget)} bytes) is below the minimum working set: "
+                f"{where} alone needs {fmt_bytes(worst)} ({worst} bytes); nothing was updated"
+            )
+
+    def _build_trace(self) -> Trace:
+        ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs)) for name, phase, d, ins, outs in self._rec]
+        tensors = []
+        for i, e in enumerate(self._iter_entries):
+            kind = e.kind
+            if kind == "temporary" and e.name == "<pre-existing>" and e.ref() is not None:
+                kind = "parameter"  # held across iterations outside any op: model state
+            tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, kind in ("parameter", "optimizer_state"),
+                                      e.name, e.key))
+        trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
+                      meta={"source": "tierflow.runtime", "device": str(self.device), "timing": "measured"})
+        self._trace_sigs_next = list(self._sigs)
+        return trace
+
+    def _agree_trace(self, trace: Trace) -> Trace:
+        """The trace every rank plans from: the same ops and tensors on every rank (else
+        :class:`~tierflow.runtime.distributed.RankMismatchError`), each op timed at the
+        slowest rank's measurement; the CPU copy bandwidth, the slowest rank's."""
+        from .distributed import trace_digest
+
+        sync = self._sync
+        sync.check_same(
+            "profiled different iterations",
+            f"{trace.n_ops} ops, {len(trace.tensors)} tensors, digest {trace_digest(trace)}",
+            ": each rank must run the same ops on tensors of the same sizes (same per-rank batch shape, "
+            "even shards) to share a plan; pass sync_ranks=False to let each rank plan alone")
+        slowest = sync.slowest([o.duration_s for o in trace.ops])
+        if self.device.type == "cpu" and self._hardware_arg is None:
+            self._copy_bw = sync.min(_measure_copy_bw(self.device))
+        ops = tuple(replace(o, duration_s=d) for o, d in zip(trace.ops, slowest))
+        return Trace(ops, trace.tensors, name=trace.name,
+                     meta=dict(trace.meta, timing=f"measured, slowest of {sync.world_size} ranks"))
+
+    def _hardware_for(self, trace: Trace) -> Hardware:
+        if self.device.type == "cuda":
+            base = load_hardware(self._hardware_arg or "h100-80g-pcie5-nvme")
+            cap = float(torch.cuda.get_device_properties(self.device).total_memory)
+            hw = base.with_tier(base.device, capacity=cap)
+            host = next((t.name for t in hw.tiers if t.kind == "host"), None)
+            if host is not None:
+                hw = hw.with_tier(host, capacity=float(self._host.capacity))
+            for t in hw.tiers:
+                if t.kind == "ssd":
+                    hw = hw.with_tier(t.name, capacity=float(self._ssd.capacity if self._ssd else 0))
+            return hw
+        if self._hardware_arg is not None:
+            return load_hardware(self._hardware_arg)
+        bw = self._copy_bw if self._copy_bw is not None else _measure_copy_bw(self.device)
+        total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if self._sync is not None:
+            total = self._sync.min(total)
+        tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
+                 Tier("host", "host", float(self._host.capacity))]
+        links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
+        if self._ssd is not None:
+            # NVMe-class rates; the runtime's own transfers are what stats report
+            tiers.append(Tier("ssd", "ssd", float(self._ssd.capacity), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
+            links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
+        return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
+                        description="CPU mode: device and host are both RAM, the budget accounted")
+
+    def _make_plan(self, trace: Trace) -> None:
+        from ..policies import make_plan, min_working_set
+        from ..simulate import simulate
+
+        hw = self._hardware_for(trace)
+        self.stats.plan_error = None
+        if self._budget_share is not None:
+            self.budget = self._budget_share * trace.peak_live_bytes
+            self.stats.budget_bytes = self.budget
+        need, op = min_working_set(trace)
+        if need > self.budget:
+            raise BudgetError(
+                f"budget {fmt_bytes(self.budget)} ({int(self.budget)} bytes) is below the minimum working set: "
+                f"op {op} ({trace.ops[op].name}) alone needs {fmt_bytes(need)} ({need} bytes)"
+            )
+        budget = self.budget if math.isfinite(self.budget) else None
+        arg = self._policy_arg
+        if callable(arg):
+            plan = arg(trace, hw, self.budget)
+        else:
+            name = arg
+            options = dict(self._policy_options)
+            if name == "tierflow":
+                # this executor follows moves only: until it runs recompute chains and
+                # host optimizer steps (issue 14's runtime side), tierflow plans moves
+                options.setdefault("levers", "move")
+            try:
+                plan = make_plan(name, trace, hw, budget=budget, **options)
+            except PlanError as e:
+                # The policy cannot plan for this budget (the budget itself is above the
+                # minimum working set: checked above). Training goes on with the reactive
+                # pager, which needs no plan; stats.plan_error says why.
+                plan = Plan(policy=f"lru (fallback from {name})", budget_bytes=self.budget, reactive=True)
+                self.stats.plan_error = str(e)
+        self._start_away: dict[str, str] = {}
+        if not plan.reactive:
+            try:
+                residency = validate(plan, trace, hw)
+            except PlanError as e:
+                # A policy bug, not a reason to stop training: the executor fetches whatever
+                # a plan gets wrong on demand and keeps the budget by itself. Say so.
+                self.stats.plan_error = str(e)
+            else:
+                for tid, tier in residency.start_tier.items():
+                    key = trace.tensors[tid].key
+                    if tier != hw.device and key:
+                        self._start_away[key] = self._tier_of(tier)
+        try:
+            sim = simulate(trace, hw, plan, check_plan=False)
+            self.stats.predicted_step_time_s = sim.time_s if math.isfinite(sim.time_s) else None
+            self.prediction = sim  # the simulator's view of the plan, for reports
+        except TierflowError:
+            self.stats.predicted_step_time_s = None
+            self.prediction = None
+        self.stats.ideal_step_time_s = trace.ideal_s
+        self.stats.policy = plan.policy
+        from .distributed import plan_digest
+
+        self.stats.plan_digest = plan_digest(plan)
+        self.stats.replans += 1
+        self.trace, self.plan, self.hardware = trace, plan, hw
+        self._layout = self._plan_layout(trace, plan, hw)
+        self._trace_sigs = self._trace_sigs_next
+        self._trace_keys = [t.key for t in trace.tensors]
+        self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
+        self._pending.clear()
+        born = [0] * (trace.n_ops + 1)
+        for t in trace.tensors:
+            if not t.persistent:
+                born[int(trace.birth[t.id])] += t.bytes
+        self._born = born

@@ -1,0 +1,99 @@
+"""What a run measured, next to what the simulator predicted: :class:`RunStats`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunStats:
+    """What a run measured, next to what the simulator predicted.
+
+    Attributes:
+        steps: iterations completed. profiled_steps: of which profiled (reactive mode,
+            recorded); planned_steps: of which followed a plan to the end;
+            reactive_steps: of which ran reactive (a reactive policy, or a stale plan).
+        step_time_s: mean wall time of the planned (else all) iterations after the first.
+        step_times_s: wall time of every iteration.
+        peak_device_bytes: highest accounted device bytes in any iteration run under the
+            budget (with a share budget, the first, unconstrained profile is left out and
+            reported as ``peak_device_bytes_unconstrained``).
+        peak_device_bytes_planned: the same over planned iterations only.
+        cuda_max_allocated: ``torch.cuda.max_memory_allocated`` (CUDA only).
+        budget_bytes: the device budget in force (``inf``: none).
+        moved_bytes: bytes copied per tier, both directions (``host``, ``ssd``).
+        transfers: bytes per direction (``device->host``, ``ssd->device``, ...).
+        moves_by_kind: count of evictions per ``(tensor kind, tier)``, as ``"kind@tier"``.
+        stalls: on-demand fetches (a tensor was away when an op needed it).
+        stall_s: host time spent waiting for them.
+        planned_moves: plan moves executed; skipped_moves: plan moves with nothing to do
+            (a tensor the runtime cannot identify or move, or already where asked).
+        unplanned_evictions: evictions the budget forced beyond the plan.
+        tier_fallbacks: moves sent to host because the plan's tier is missing or full.
+        planned_slots: evictions placed at the offset the pool planner laid out for
+            them in the host pool or SSD file (the rest took the first free slot: a move
+            the plan did not make, or a slot still held by a late tensor).
+        stale_plans: iterations that departed from the trace; replans: plans made.
+        stale_reasons: the first few departures, in words.
+        plan_error: why the current plan failed :func:`tierflow.plan.validate`, if it did
+            (it is executed anyway: what it gets wrong is fetched on demand).
+        predicted_step_time_s: the simulator's step time for the current plan.
+        ideal_step_time_s: the trace's sum of op times (no transfers).
+        policy: the policy that made the current plan.
+        host_pool_bytes, ssd_file_bytes: the tiers' pre-allocated sizes.
+        host_pool_peak: highest bytes in use in the host pool.
+        rank, world_size: this process in ``torch.distributed`` (0 and 1 without it).
+        plan_digest: digest of the plan followed (the same on every rank when they
+            agree: see :mod:`tierflow.runtime.distributed`).
+        collectives: collective ops (``c10d``) seen in iterations and outside them.
+        busy_refusals: moves refused because a collective still in flight reads or
+            writes the storage (a DDP bucket, an FSDP reduce-scatter output).
+        foreign_storages: storages another owner resizes (FSDP's unsharded
+            parameters), which the runtime leaves alone and only accounts: those alive
+            at the end of the last iteration.
+    """
+
+    steps: int = 0
+    profiled_steps: int = 0
+    planned_steps: int = 0
+    reactive_steps: int = 0
+    step_time_s: float = 0.0
+    step_times_s: list[float] = field(default_factory=list)
+    peak_device_bytes: int = 0
+    peak_device_bytes_planned: int = 0
+    peak_device_bytes_unconstrained: int = 0
+    cuda_max_allocated: int | None = None
+    budget_bytes: float = math.inf
+    moved_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "ssd": 0})
+    transfers: dict[str, int] = field(default_factory=dict)
+    moves_by_kind: dict[str, int] = field(default_factory=dict)
+    stalls: int = 0
+    stall_s: float = 0.0
+    planned_moves: int = 0
+    skipped_moves: int = 0
+    unplanned_evictions: int = 0
+    tier_fallbacks: int = 0
+    planned_slots: int = 0
+    stale_plans: int = 0
+    replans: int = 0
+    stale_reasons: list[str] = field(default_factory=list)
+    predicted_step_time_s: float | None = None
+    plan_error: str | None = None
+    ideal_step_time_s: float | None = None
+    policy: str = ""
+    host_pool_bytes: int = 0
+    ssd_file_bytes: int = 0
+    host_pool_peak: int = 0
+    rank: int = 0
+    world_size: int = 1
+    plan_digest: str | None = None
+    collectives: int = 0
+    busy_refusals: int = 0
+    foreign_storages: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["step_times_s"] = list(self.step_times_s)
+        return d

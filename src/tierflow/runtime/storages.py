@@ -1,0 +1,356 @@
+"""Tracking storages under the dispatch mode: which device storages exist, what each
+one is (parameter, gradient, optimizer state, saved activation, input), and how many
+bytes of the budget they hold.
+
+The unit the runtime moves is a *storage*, never a tensor: every view of it (a
+parameter, the transposed weight autograd saved, an Adam moment) stays a valid Python
+object while its bytes are away. :class:`_Entry` is the record of one storage, keyed
+by the storage's ``_cdata`` address and holding only a weak reference to it (the
+weakref's callback reports its death). :class:`StorageTracking` is the part of
+:class:`~tierflow.runtime.executor.Run` that makes and labels these records: from the
+module's and optimizer's state, post-accumulate-grad hooks (gradients), the
+saved-tensor pack hook (activations), and collectives in flight (pinned until their
+``Work`` completes). The helpers above it find the plain tensors and the storages in
+an op's arguments, cheaply: they run for every op.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+RESIDENT, AWAY, INCOMING = "resident", "away", "incoming"
+OWNED = ("parameter", "gradient", "optimizer_state", "activation")
+_RANK = {"parameter": 0, "optimizer_state": 1, "gradient": 2, "input": 3, "activation": 4, "temporary": 5}
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One storage the runtime has seen (never a strong reference to it)."""
+
+    cdata: int
+    nbytes: int
+    ref: Any  # weakref.ref to the UntypedStorage; its callback reports the death
+    kind: str = "temporary"
+    key: str | None = None
+    name: str = ""
+    resizable: bool = True
+    state: str = RESIDENT
+    tier: str | None = None
+    slot: int = -1  # offset in the host pool or the SSD file while away
+    bounce: int = -1  # SSD: bounce slot holding the bytes (write in flight, or read landed)
+    io: Any = None  # SSD: the Future of the write or read in flight
+    arrival: Any = None  # CUDA: event of the copy that brought it back
+    pins: int = 0  # collectives in flight that read or write it: not to be moved
+    touched: bool = False  # an op used it after the collective that pinned it
+    foreign: bool = False  # resized by someone else (FSDP's unsharded parameters): never moved
+    top: int = 0  # largest size seen (a foreign storage's size changes under us)
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind in ("parameter", "optimizer_state")
+
+    @property
+    def label(self) -> str:
+        return self.key or self.name or f"storage {self.cdata:#x}"
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_COMM_NS = ("c10d::", "_c10d_functional::", "c10d_functional::")
+_MANAGED_NS = ("fsdp::",)  # FSDP2's copy-in/copy-out ops: what they write, FSDP resizes
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor that holds ``t``'s bytes: ``t`` itself, or for a wrapper subclass
+    with one inner tensor (a DTensor: its local shard) that tensor."""
+    while type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+        inner = _inner(t)
+        if len(inner) != 1:
+            break
+        t = inner[0]
+    return t
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass flattens to (a DTensor also names its mesh)."""
+    attrs, _ = t.__tensor_flatten__()
+    return [x for x in (getattr(t, a) for a in attrs) if isinstance(x, torch.Tensor)]
+
+
+def _unwrap(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensor subclasses replaced by the plain tensors inside them (all of them)."""
+    out: list[torch.Tensor] = []
+    stack = list(reversed(ts))
+    while stack:
+        t = stack.pop()
+        if type(t) not in _PLAIN and is_traceable_wrapper_subclass(t):
+            stack += reversed(_inner(t))
+        else:
+            out.append(t)
+    return out
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return _plain(t).untyped_storage().nbytes()
+
+
+def _works(out: Any) -> list[Any]:
+    """The ``Work`` handles a c10d op returned (its completion frees what it pinned)."""
+    found = []
+    for x in pytree.tree_leaves(out):
+        if isinstance(x, torch.ScriptObject):
+            try:
+                found.append(torch._C._distributed_c10d.Work.unbox(x))
+            except (AttributeError, RuntimeError, TypeError):
+                pass
+    return found
+
+
+_KIND: dict[Any, int] = {}  # op -> 0 plain, 1 collective, 2 FSDP-managed copy
+
+
+def _op_kind(func, name: str) -> int:
+    k = _KIND.get(func)
+    if k is None:
+        k = _KIND[func] = 1 if name.startswith(_COMM_NS) else 2 if name.startswith(_MANAGED_NS) else 0
+    return k
+
+
+def _u8(st: torch.UntypedStorage, n: int) -> torch.Tensor:
+    """A flat byte view of a whole storage (shares it; no autograd, own version counter)."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (n,), (1,))
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+_NAMES: dict[Any, str] = {}
+
+
+def _op_name(func) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = func._schema.name
+    return name
+
+
+def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor arguments the op writes (in-place ``self``, ``out=``), from its schema
+    (positions cached per op: this runs for every op)."""
+    spots = _WRITES.get(func)
+    if spots is None:
+        spots = _WRITES[func] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+    if not spots:
+        return []
+    out: list[torch.Tensor] = []
+    for i, name in spots:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        out += _leaves(v)
+    return out
+
+
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (tensors, and lists/tuples of them: all
+    that aten schemas allow), faster than a general pytree walk."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        out: list[torch.Tensor] = []
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                out += [y for y in x if isinstance(y, torch.Tensor)]
+        return out
+    if isinstance(obj, dict):
+        return _leaves(list(obj.values()))
+    return []
+
+
+class StorageTracking:
+    """Storage records and labels (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+
+    def _entry(self, t: torch.Tensor, produced_by: str | None = None) -> _Entry | None:
+        """The entry of ``t``'s storage (made on first sight), or None if it is not on the
+        device or has no storage."""
+        if getattr(t, self._dev_attr) is not True:  # is_cpu / is_cuda: cheaper than t.device
+            return None
+        if type(t) not in _PLAIN:
+            t = _plain(t)
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        cdata = st._cdata
+        e = self._entries.get(cdata)
+        if e is not None and e.ref() is None:  # a storage died and a new one took its address
+            self._retire(e)
+            e = None
+        if e is None:
+            n = int(st.nbytes())
+            e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata: self._dead.append(c)),
+                       name=produced_by or "<pre-existing>", resizable=bool(st.resizable()))
+            self._entries[cdata] = e
+            self._device_bytes += n
+        return e
+
+    def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
+        if e is None or (e.key is not None and _RANK[kind] >= _RANK[e.kind]):
+            return
+        e.kind, e.key, e.name = kind, key, name
+        if e.persistent:
+            self._by_key[key] = e
+        if kind in OWNED and e.state == RESIDENT and e.resizable:
+            self._lru[e.cdata] = e
+
+    def _label_opt_state(self) -> None:
+        if self.optimizer is None:
+            return
+        for p, state in self.optimizer.state.items():
+            pn = self._names.get(id(p), f"<param {id(p):x}>")
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    self._label(self._entry(v), "optimizer_state", f"opt:{pn}:{k}", f"{pn}.{k}")
+
+    def _on_grad(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                q, self._quiet = self._quiet, True
+                try:
+                    self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
+                finally:
+                    self._quiet = q
+        return hook
+
+    def _tid(self, e: _Entry) -> int:
+        tid = self._iter_tid.get(e.cdata)
+        if tid is None:
+            tid = self._iter_tid[e.cdata] = len(self._iter_entries)
+            self._iter_entries.append(e)
+        return tid
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        q, self._quiet = self._quiet, True
+        try:
+            if self._in_iter:
+                seq = self._saved_seq
+                self._saved_seq += 1
+                e = self._entry(t, f"saved{seq}")
+                if e is not None and e.kind == "temporary":
+                    self._label(e, "activation", f"saved:{seq}", f"saved{seq}")
+            return t.detach()  # not t: that would tie the graph and its output in a cycle
+        finally:
+            self._quiet = q
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        p = _plain(t) if type(t) not in _PLAIN else t
+        e = self._entries.get(p.untyped_storage()._cdata) if p.device.type == self.device.type else None
+        if e is not None and (e.state != RESIDENT or e.arrival is not None):
+            q, self._quiet = self._quiet, True
+            try:
+                self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
+                self._ensure_resident(e)
+                self._note_peak()
+            finally:
+                self._quiet = q
+        return t
+
+    def _retire(self, e: _Entry) -> None:
+        """Forget a storage that died (its device bytes, or its slots while away)."""
+        if self._entries.get(e.cdata) is not e:
+            return
+        del self._entries[e.cdata]
+        self._lru.pop(e.cdata, None)
+        self._iter_tid.pop(e.cdata, None) if self._in_iter else None
+        if self._foreign.get(e.cdata) is e:
+            del self._foreign[e.cdata]
+        if e.state == RESIDENT:
+            self._device_bytes -= e.nbytes
+        else:  # died while away: give its slots back
+            self._give_back_slots(e)
+        if e.key and self._by_key.get(e.key) is e:
+            del self._by_key[e.key]
+
+    def _on_special(self, kind: int, out: Any, ins: list[_Entry], outs: list[_Entry], wrote: list[_Entry]) -> None:
+        """After a collective (``kind`` 1): every storage it reads or writes is pinned
+        until its ``Work`` completes (a gloo thread or an NCCL kernel still uses the
+        bytes after the op returns; no ``Work``: pinned for the storage's life). After
+        one of FSDP2's copy ops (``kind`` 2): what it wrote is FSDP's to resize, never
+        ours to move."""
+        if kind == 1:
+            self.stats.collectives += 1
+            ents = list({e.cdata: e for e in ins + outs}.values())
+            for e in ents:
+                e.pins += 1
+                e.touched = False
+            works = _works(out)
+            if works:
+                self._inflight.append((works, ents, wrote))
+        else:
+            for e in wrote:
+                self._make_foreign(e)
+
+    def _unpin(self, e: _Entry) -> bool:
+        """Try to free ``e`` of the collectives that pinned it: those that completed
+        have; if the program used ``e`` since (a program waits on a collective before
+        it uses the result), wait on them too: that returns at once. Whether ``e`` is
+        free now."""
+        self._inflight = [r for r in self._inflight
+                          if not self._release(r, force=e.touched and any(x is e for x in r[1]))]
+        return e.pins == 0
+
+    def _release(self, rec: tuple[list[Any], list[_Entry], list[_Entry]], force: bool = False) -> bool:
+        """Unpin what an in-flight collective pinned, if it is over: its ``Work`` says
+        it completed, or the program used a storage the collective writes (a program
+        waits on a collective before it uses the result; gloo's reduce-scatter never
+        says it completed), or ``force``: then wait on it (at once when it is done).
+        Whether it was released."""
+        works, ents, wrote = rec
+        if not all(w.is_completed() for w in works):
+            if not (force or any(x.touched for x in wrote)):
+                return False
+            for w in works:
+                w.wait()
+        for x in ents:
+            x.pins -= 1
+        return True
+
+    def _make_foreign(self, e: _Entry) -> None:
+        """``e`` is resized by someone else (FSDP frees and re-allocates its unsharded
+        parameters with ``untyped_storage().resize_``): never move it, keep its size."""
+        if e.foreign:
+            return
+        e.foreign, e.resizable = True, False
+        self._lru.pop(e.cdata, None)
+        self._foreign[e.cdata] = e
+
+    def _sync_foreign(self) -> None:
+        """Account foreign storages at the size their owner left them (looked at when
+        the budget or the peak is in question: a storage FSDP grows again is then
+        written by an op, which accounts it)."""
+        for e in list(self._foreign.values()):
+            st = e.ref()
+            if st is None:
+                continue
+            n = st.nbytes()
+            if n != e.nbytes and e.state == RESIDENT:
+                self._device_bytes += n - e.nbytes
+                e.top = max(e.top, e.nbytes, n)
+                e.nbytes = n
+
+    def _note_peak(self) -> None:
+        if self._device_bytes > self._iter_peak:
+            if self._foreign:  # (FSDP may have freed some since: count them as they are)
+                self._sync_foreign()
+            self._iter_peak = max(self._iter_peak, self._device_bytes)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        out = list(self.model.parameters()) + list(self.model.buffers())
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
