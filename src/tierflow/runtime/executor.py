@@ -70,6 +70,8 @@ from .moves import Moves
 from .profiling import Profiling
 from .stats import RunStats
 from .storages import (
+    _PLAIN,
+    _WRITES,
     RESIDENT,
     StorageTracking,
     _Entry,
@@ -104,13 +106,36 @@ def _budget_spec(budget: str | int | float | None) -> tuple[float | None, float 
         raise PolicyError(f"budget: {e}") from None
 
 
+_PLAIN_TYPES: dict[tuple, bool] = {}
+
+
+def _plain_types(types: tuple) -> bool:
+    """Whether every tensor type an op saw is a plain tensor or a Parameter (cached:
+    most ops of a step see one of a few type tuples)."""
+    ok = _PLAIN_TYPES.get(types)
+    if ok is None:
+        ok = _PLAIN_TYPES[types] = all(t in _PLAIN for t in types)
+    return ok
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, run: Run):
         super().__init__()
         self.run = run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.run._on_op(func, args, kwargs or {}, types)
+        run = self.run
+        if run._quiet:
+            return func(*args, **(kwargs or {}))
+        run._quiet = True  # our own copies and resizes are not the user's ops
+        try:
+            # NOTE: the steady state (a planned iteration that still matches its trace,
+            # plain tensors) takes the lean path; everything else the general one
+            if run._fast and not run._untracked and (not types or _plain_types(types)):
+                return run._follow_op(func, args, kwargs or {})
+            return run._handle(func, args, kwargs or {}, types)
+        finally:
+            run._quiet = False
 
 
 class Run(StorageTracking, Moves, PlanFollowing, Profiling):
@@ -191,6 +216,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         self._in_iter = False
+        self._fast = False
         self._recording = self._planned = self._hinted = False
         self._iter_peak = 0
         self._need_profile = True
@@ -292,6 +318,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         self._planned = not self._recording and self.plan is not None and not self.plan.reactive
         self._hinted = not self._recording and self.plan is not None and self.plan.reactive
         self._stale = False
+        self._fast = self._planned  # the lean per-op path, until the iteration departs from the trace
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -317,6 +344,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             return
         self._label_opt_state()
         self._in_iter = False
+        self._fast = False
         self._in_step = False
         self.stats.foreign_storages = sum(1 for e in self._foreign.values() if e.ref() is not None)
         if self.device.type == "cuda":
@@ -373,15 +401,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         st.step_time_s = sum(planned) / len(planned) if planned else sum(st.step_times_s) / len(st.step_times_s)
         self._iter_tid, self._iter_entries = {}, []
 
-    def _on_op(self, func, args, kwargs, types=()):
-        if self._quiet:
-            return func(*args, **kwargs)
-        self._quiet = True  # our own copies and resizes below are not the user's ops
-        try:
-            return self._handle(func, args, kwargs, types)
-        finally:
-            self._quiet = False
-
     def _handle(self, func, args, kwargs, types=()):
         if self._dead or self._frees or self._writes or self._inflight:
             self._reap()
@@ -406,12 +425,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         ins = [e for e in (self._entry(t) for t in tensors) if e is not None]
         in_iter = self._in_iter
         i = self._op if in_iter else -1
-        sig = None
-        if in_iter and (self._recording or self._planned):
-            sig = (name, tuple((tuple(t.shape), t.dtype) for t in tensors))
-            if self._planned and not self._stale and (i >= len(self._trace_sigs) or self._trace_sigs[i] != sig):
-                want = self._trace_sigs[i][0] if i < len(self._trace_sigs) else "the end of the iteration"
-                self._mark_stale(f"op {i}: ran {sig[0]} {[s for s, _ in sig[1]]}, the trace has {want}")
+        if in_iter and self._planned and not self._stale and (i >= len(self._funcs) or self._funcs[i] is not func):
+            self._mark_stale(f"op {i}: ran {name}, the trace has "
+                             + (self.trace.ops[i].name if i < len(self._funcs) else "the end of the iteration"))
         expect = self._born[i] if (in_iter and self._planned and not self._stale) else self._max_out
         away = sum(e.nbytes for e in ins if e.state != RESIDENT)
         self._make_room(away + expect, ins)
@@ -425,20 +441,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         label = f"{name}#{i}"
         leaves = _leaves(out)
         outs = [e for e in (self._entry(t, label) for t in (_unwrap(leaves) if types else leaves)) if e is not None]
-        new_bytes = 0
         written = _written_args(func, args, kwargs)
         n_fresh = len(outs)
-        for t in (_unwrap(written) if types else written):
-            e = self._entry(t, label)
-            if e is None:
-                continue
-            outs.append(e)
-            st = e.ref()
-            if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
-                self._device_bytes += st.nbytes() - e.nbytes
-                new_bytes += max(0, st.nbytes() - e.nbytes)
-                e.top = max(e.top, e.nbytes)
-                e.nbytes = st.nbytes()
+        new_bytes = self._account_written(_unwrap(written) if types else written, outs, label)
         if special:
             self._on_special(special, out, ins, outs, outs[n_fresh:])
         for e in ins + outs:
@@ -453,14 +458,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             if self._recording:
                 phase = "backward" if torch._C._current_graph_task_id() != -1 else self._phase()
                 self._rec.append((name, phase, dur, list(dict.fromkeys(in_ids)), list(dict.fromkeys(out_ids))))
-                self._sigs.append(sig)
+                self._sigs.append((func, list(in_ids), list(out_ids),
+                                   [e.nbytes for e in self._iter_entries[n_before:]]))
             elif self._planned and not self._stale:
-                for tid in range(n_before, len(self._iter_entries)):
-                    want = self._trace_keys[tid] if tid < len(self._trace_keys) else None
-                    got = self._iter_entries[tid]
-                    if want is not None and want.split(":")[0] in ("param", "buffer", "opt") and want != got.key:
-                        self._mark_stale(f"op {i}: tensor {tid} is {got.label}, the trace has {want}")
-                        break
+                self._check_follow(i, in_ids, out_ids, n_before)
         self._note_peak()
         if in_iter:
             if self._planned and not self._stale:
@@ -469,6 +470,118 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 self._fire(i, hints=True)
             self._op += 1
         return out
+
+    def _check_follow(self, i: int, in_ids: list[int], out_ids: list[int], n_before: int) -> None:
+        """Whether op ``i`` of a planned iteration did what the trace says: the same
+        tensors in the same places (tensor ids follow the order of first use, so a
+        different data flow shows as other ids), every new tensor of the size it had in
+        the profiled iteration, and every persistent one the same parameter or optimizer
+        state. Else the plan is stale for the rest of the iteration. (Shapes are not
+        compared: the plan is about bytes and data flow, and building a shape tuple for
+        every tensor of every op was most of the per-op cost.)"""
+        if in_ids != self._sig_ins[i] or out_ids != self._sig_outs[i]:
+            self._mark_stale(f"op {i}: {self.trace.ops[i].name} read or wrote other tensors than the trace has")
+        elif len(self._iter_entries) > n_before:
+            self._check_new(i, n_before)
+
+    def _check_new(self, i: int, n_before: int) -> None:
+        """The tensors op ``i`` used first (ids from ``n_before``) against the trace."""
+        new = self._iter_entries[n_before:]
+        if [e.nbytes for e in new] != self._sig_sizes[i]:
+            self._mark_stale(f"op {i}: its new tensors have {[e.nbytes for e in new]} bytes, "
+                             f"the trace has {self._sig_sizes[i]}")
+        elif self._persistent_at[i]:
+            keys = self._trace_keys
+            for tid, got in enumerate(new, start=n_before):
+                want = keys[tid]
+                if want is not None and want != got.key:
+                    self._mark_stale(f"op {i}: tensor {tid} is {got.label}, the trace has {want}")
+                    return
+
+    def _follow_op(self, func, args, kwargs):
+        """The steady state: op ``self._op`` of a planned iteration that matches its
+        trace so far. What :meth:`_handle` does for such an op, and nothing else: no
+        timing, no LRU bookkeeping (a followed plan picks victims by next use), the
+        room it makes is the trace's, the moves after it come from a per-op table."""
+        i = self._op
+        if i >= self._n_ops or self._fast_funcs[i] is not func:
+            return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
+        if self._dead or self._frees or self._writes or self._inflight:
+            self._reap()  # (after this, no entry of a dead storage is left to confuse a lookup)
+        if self._pending:
+            self._issue_pending()
+        entries, dev, entry, tid = self._entries, self._dev_attr, self._entry, self._tid
+        tid_of = self._iter_tid.get
+        n_before = len(self._iter_entries)
+        ins, ids = [], []
+        away = 0
+        for t in _leaves(args) + _leaves(list(kwargs.values())) if kwargs else _leaves(args):
+            if getattr(t, dev) is not True:  # is_cpu / is_cuda: cheaper than t.device
+                continue
+            try:
+                e = entries.get(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):  # no storage
+                continue
+            if e is None:
+                e = entry(t)  # first sight (an input of the iteration)
+            ins.append(e)
+            k = tid_of(e.cdata)
+            ids.append(tid(e) if k is None else k)
+            if e.state is not RESIDENT:
+                away += e.nbytes
+        if ids != self._sig_ins[i]:
+            self._mark_stale(f"op {i}: {self.trace.ops[i].name} read other tensors than the trace has")
+            self._op = i  # (the general path counts it)
+            return self._handle(func, args, kwargs)
+        need = away + self._born[i]
+        if self._device_bytes + need > self.budget:
+            self._make_room(need, ins)
+        for e in ins:
+            if e.state is not RESIDENT or e.arrival is not None:
+                self._ensure_resident(e)
+            if e.pins:
+                e.touched = True
+        out = func(*args, **kwargs)
+        label = self._op_labels[i]
+        outs, ids = [], []
+        for t in _leaves(out):
+            e = entry(t, label)
+            if e is not None:
+                outs.append(e)
+                k = tid_of(e.cdata)
+                ids.append(tid(e) if k is None else k)
+        if _WRITES.get(func) != ():  # (most ops write no argument: skip the call)
+            written = _written_args(func, args, kwargs)
+            if written:
+                self._account_written(written, outs, label)
+                ids += [tid(e) for e in outs[len(ids):]]
+        if ids != self._sig_outs[i]:
+            self._mark_stale(f"op {i}: {self.trace.ops[i].name} wrote other tensors than the trace has")
+        elif len(self._iter_entries) > n_before:
+            self._check_new(i, n_before)
+        if self._device_bytes > self._iter_peak:
+            self._note_peak()
+        if self._has_moves[i] and not self._stale:
+            self._fire(i)
+        self._op = i + 1
+        return out
+
+    def _account_written(self, written: list[torch.Tensor], outs: list[_Entry], label: str) -> int:
+        """Add the storages an op wrote in place (``out=``, ``self``) to ``outs``, and
+        account those the op resized. The bytes it grew them by."""
+        grown = 0
+        for t in written:
+            e = self._entry(t, label)
+            if e is None:
+                continue
+            outs.append(e)
+            st = e.ref()
+            if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
+                self._device_bytes += st.nbytes() - e.nbytes
+                grown += max(0, st.nbytes() - e.nbytes)
+                e.top = max(e.top, e.nbytes)
+                e.nbytes = st.nbytes()
+        return grown
 
     def _phase(self) -> str:
         return "optimizer" if getattr(self, "_in_step", False) else "forward"

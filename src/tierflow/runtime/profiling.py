@@ -21,7 +21,7 @@ from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
-from .storages import _storage_bytes
+from .storages import _op_kind, _op_name, _storage_bytes
 
 
 def _measure_copy_bw(device: torch.device) -> float:
@@ -195,8 +195,23 @@ class Profiling:
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
         self._layout = self._plan_layout(trace, plan, hw)
-        self._trace_sigs = self._trace_sigs_next
-        self._trace_keys = [t.key for t in trace.tensors]
+        # the follower's per-op tables (see executor._follow_op and _check_follow)
+        sigs = self._trace_sigs_next
+        self._n_ops = len(sigs)
+        self._funcs = [f for f, *_ in sigs]
+        self._fast_funcs = [None if _op_kind(f, _op_name(f)) else f for f in self._funcs]  # collectives: general path
+        self._sig_ins = [ins for _f, ins, _o, _s in sigs]
+        self._sig_outs = [outs for _f, _i, outs, _s in sigs]
+        self._sig_sizes = [sizes for *_, sizes in sigs]
+        self._trace_keys = [t.key if t.key and t.key.split(":")[0] in ("param", "buffer", "opt") else None
+                            for t in trace.tensors]
+        firsts = [k for k, (*_, sizes) in enumerate(sigs) for _ in sizes]  # the op that first used each tensor
+        self._persistent_at = [False] * self._n_ops  # ops that first use a parameter or optimizer state
+        for tid, key in enumerate(self._trace_keys):
+            if key is not None and tid < len(firsts):
+                self._persistent_at[firsts[tid]] = True
+        self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
+        self._has_moves = [bool(plan.by_op.get(i)) for i in range(self._n_ops)]
         self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
         self._pending.clear()
         born = [0] * (trace.n_ops + 1)
