@@ -229,7 +229,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         if self._sync_ranks and self.stats.world_size > 1:
             self._sync = RankSync()
         self._max_out = 0
-        self._step_kinds: list[str] = []
+        self._step_events: deque[tuple[Any, Any, str]] = deque()  # CUDA: (start, end, kind) not yet read
+        self._time_sums: dict[str, float] = {}
+        self._time_counts: dict[str, int] = {}
         self._in_step = False
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         for n, p in self.model.named_parameters():
@@ -275,6 +277,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             self._copier.drain()
             self._reap()
             if self.device.type == "cuda":
+                self._collect_step_times(wait=True)
                 self.stats.cuda_max_allocated = int(torch.cuda.max_memory_allocated(self.device))
         finally:
             if self._sync is not None:
@@ -313,12 +316,16 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         self._op = 0
         self._saved_seq = 0
         self._iter_tid: dict[int, int] = {}
-        self._iter_entries: list[_Entry] = []
         self._recording = self._need_profile or self.plan is None
         self._planned = not self._recording and self.plan is not None and not self.plan.reactive
         self._hinted = not self._recording and self.plan is not None and self.plan.reactive
+        # following a plan, only the tensors the plan names are identified (by _bind):
+        # their trace ids index this list; profiling, every tensor in order of first use
+        self._iter_entries: list[_Entry | None] = [] if self._recording else [None] * self._n_tensors
         self._stale = False
-        self._fast = self._planned  # the lean per-op path, until the iteration departs from the trace
+        # the lean per-op path (a planned plan, or a reactive one's hints), until the
+        # iteration departs from the trace
+        self._fast = self._planned or self._hinted
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -336,23 +343,26 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         self._iter_peak = self._device_bytes
         self._budgeted = math.isfinite(self.budget)
         self._t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            self._t0_event = torch.cuda.Event(enable_timing=True)
+            self._t0_event.record(torch.cuda.current_stream(self.device))
 
     def end_iteration(self) -> None:
         """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
         call it yourself only when training without an optimizer."""
         if not self._in_iter:
             return
-        self._label_opt_state()
+        if not self._fast:  # (a clean planned iteration made no state the profile did not see)
+            self._label_opt_state()
         self._in_iter = False
         self._fast = False
         self._in_step = False
-        self.stats.foreign_storages = sum(1 for e in self._foreign.values() if e.ref() is not None)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # once per step, for the step time
-        dt = time.perf_counter() - self._t0
+        if self._foreign:
+            self.stats.foreign_storages = sum(1 for e in self._foreign.values() if e.ref() is not None)
         st = self.stats
         st.steps += 1
-        st.step_times_s.append(dt)
+        kind = "planned" if ((self._planned or self._hinted) and not self._stale) else "other"
+        self._time_step(kind)
         if self._budgeted or (self._budget_bytes is None and self._budget_share is None):
             st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
         else:  # a share budget: the profile iteration that measured the peak ran without one
@@ -396,10 +406,36 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             st.reactive_steps += 1
         if self._stale:
             self._need_profile = True
-        self._step_kinds.append("planned" if ((self._planned or self._hinted) and not self._stale) else "other")
-        planned = [t for t, k in zip(st.step_times_s, self._step_kinds) if k == "planned"]
-        st.step_time_s = sum(planned) / len(planned) if planned else sum(st.step_times_s) / len(st.step_times_s)
         self._iter_tid, self._iter_entries = {}, []
+
+    def _time_step(self, kind: str) -> None:
+        """Record the iteration's time. On CPU the wall time. On CUDA the time between
+        events recorded on the compute stream at its start and end, read when the end
+        event has completed (at a later iteration's end, or at exit): the host never
+        waits for the GPU to time a step."""
+        if self.device.type != "cuda":
+            self._add_step_time(time.perf_counter() - self._t0, kind)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        self._step_events.append((self._t0_event, end, kind))
+        self._collect_step_times(wait=False)
+
+    def _collect_step_times(self, wait: bool) -> None:
+        while self._step_events and (wait or self._step_events[0][1].query()):
+            start, end, kind = self._step_events.popleft()
+            end.synchronize()  # (complete already, unless waiting at exit)
+            self._add_step_time(start.elapsed_time(end) / 1e3, kind)
+
+    def _add_step_time(self, dt: float, kind: str) -> None:
+        st = self.stats
+        st.step_times_s.append(dt)
+        self._time_sums[kind] = self._time_sums.get(kind, 0.0) + dt
+        self._time_counts[kind] = self._time_counts.get(kind, 0) + 1
+        if self._time_counts.get("planned"):
+            st.step_time_s = self._time_sums["planned"] / self._time_counts["planned"]
+        else:
+            st.step_time_s = sum(self._time_sums.values()) / sum(self._time_counts.values())
 
     def _handle(self, func, args, kwargs, types=()):
         if self._dead or self._frees or self._writes or self._inflight:
@@ -425,10 +461,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         ins = [e for e in (self._entry(t) for t in tensors) if e is not None]
         in_iter = self._in_iter
         i = self._op if in_iter else -1
-        if in_iter and self._planned and not self._stale and (i >= len(self._funcs) or self._funcs[i] is not func):
+        following = in_iter and self._follows()
+        if following and (i >= self._n_ops or self._funcs[i] is not func):
             self._mark_stale(f"op {i}: ran {name}, the trace has "
-                             + (self.trace.ops[i].name if i < len(self._funcs) else "the end of the iteration"))
-        expect = self._born[i] if (in_iter and self._planned and not self._stale) else self._max_out
+                             + (self.trace.ops[i].name if i < self._n_ops else "the end of the iteration"))
+            following = False
+        if following and self._bind_in[i] is not None and not self._bind(i, self._bind_in[i], ins):
+            following = False
+        expect = self._born[i] if following else self._max_out
         away = sum(e.nbytes for e in ins if e.state != RESIDENT)
         self._make_room(away + expect, ins)
         for e in ins:
@@ -449,7 +489,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         for e in ins + outs:
             if e.cdata in self._lru:
                 self._lru.move_to_end(e.cdata)
-        if in_iter:
+        if following and not self._stale:
+            self._check_outs(i, outs)
+        elif in_iter and not following:
             n_before = len(self._iter_entries)
             in_ids = [self._tid(e) for e in ins]
             out_ids = [self._tid(e) for e in outs]
@@ -458,51 +500,57 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             if self._recording:
                 phase = "backward" if torch._C._current_graph_task_id() != -1 else self._phase()
                 self._rec.append((name, phase, dur, list(dict.fromkeys(in_ids)), list(dict.fromkeys(out_ids))))
-                self._sigs.append((func, list(in_ids), list(out_ids),
-                                   [e.nbytes for e in self._iter_entries[n_before:]]))
-            elif self._planned and not self._stale:
-                self._check_follow(i, in_ids, out_ids, n_before)
+                self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
         self._note_peak()
         if in_iter:
-            if self._planned and not self._stale:
-                self._fire(i)
-            elif self._hinted:
-                self._fire(i, hints=True)
+            if following and not self._stale:
+                self._fire(i, hints=self._hinted)
             self._op += 1
         return out
 
-    def _check_follow(self, i: int, in_ids: list[int], out_ids: list[int], n_before: int) -> None:
-        """Whether op ``i`` of a planned iteration did what the trace says: the same
-        tensors in the same places (tensor ids follow the order of first use, so a
-        different data flow shows as other ids), every new tensor of the size it had in
-        the profiled iteration, and every persistent one the same parameter or optimizer
-        state. Else the plan is stale for the rest of the iteration. (Shapes are not
-        compared: the plan is about bytes and data flow, and building a shape tuple for
-        every tensor of every op was most of the per-op cost.)"""
-        if in_ids != self._sig_ins[i] or out_ids != self._sig_outs[i]:
-            self._mark_stale(f"op {i}: {self.trace.ops[i].name} read or wrote other tensors than the trace has")
-        elif len(self._iter_entries) > n_before:
-            self._check_new(i, n_before)
+    def _follows(self) -> bool:
+        """Whether this iteration is following a plan (planned, or a reactive plan's
+        hints) and has not departed from its trace."""
+        return (self._planned or self._hinted) and not self._stale
 
-    def _check_new(self, i: int, n_before: int) -> None:
-        """The tensors op ``i`` used first (ids from ``n_before``) against the trace."""
-        new = self._iter_entries[n_before:]
-        if [e.nbytes for e in new] != self._sig_sizes[i]:
-            self._mark_stale(f"op {i}: its new tensors have {[e.nbytes for e in new]} bytes, "
-                             f"the trace has {self._sig_sizes[i]}")
-        elif self._persistent_at[i]:
-            keys = self._trace_keys
-            for tid, got in enumerate(new, start=n_before):
-                want = keys[tid]
-                if want is not None and want != got.key:
-                    self._mark_stale(f"op {i}: tensor {tid} is {got.label}, the trace has {want}")
-                    return
+    def _bind(self, i: int, binds: tuple, ents: list[_Entry]) -> bool:
+        """Tensors op ``i`` uses first in the iteration, that the plan names: bind each
+        to its trace id (its position among the op's inputs or outputs says which) and
+        check it is the tensor the trace saw there: a parameter or optimizer state by
+        its key, anything else by its size. False (and the plan stale) if not."""
+        entries, tid_of = self._iter_entries, self._iter_tid
+        for pos, tid, want in binds:
+            if pos >= len(ents):
+                self._mark_stale(f"op {i}: {self.trace.ops[i].name} used fewer tensors than the trace has")
+                return False
+            e = ents[pos]
+            if want.__class__ is str:
+                if e.key != want:
+                    self._mark_stale(f"op {i}: tensor {tid} is {e.label}, the trace has {want}")
+                    return False
+            elif e.nbytes != want:
+                self._mark_stale(f"op {i}: tensor {tid} has {e.nbytes} bytes, the trace has {want}")
+                return False
+            entries[tid] = e
+            tid_of[e.cdata] = tid
+        return True
+
+    def _check_outs(self, i: int, outs: list[_Entry]) -> None:
+        """Op ``i``'s results against the trace: as many, of the same sizes (what the
+        budget depends on); then the ones the plan names are bound."""
+        if [e.nbytes for e in outs] != self._out_sizes[i]:
+            self._mark_stale(f"op {i}: {self.trace.ops[i].name} made {[e.nbytes for e in outs]} bytes, "
+                             f"the trace has {self._out_sizes[i]}")
+        elif self._bind_out[i] is not None:
+            self._bind(i, self._bind_out[i], outs)
 
     def _follow_op(self, func, args, kwargs):
-        """The steady state: op ``self._op`` of a planned iteration that matches its
-        trace so far. What :meth:`_handle` does for such an op, and nothing else: no
-        timing, no LRU bookkeeping (a followed plan picks victims by next use), the
-        room it makes is the trace's, the moves after it come from a per-op table."""
+        """The steady state: op ``self._op`` of an iteration following its plan, that
+        matches its trace so far. What :meth:`_handle` does for such an op, and nothing
+        else: no timing, no LRU upkeep while a planned plan picks victims by next use,
+        the room it makes is the trace's, tensors are identified only where the plan
+        names them (by their position in the op, from the profiled iteration), and the
+        moves after it come from a per-op table."""
         i = self._op
         if i >= self._n_ops or self._fast_funcs[i] is not func:
             return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
@@ -510,10 +558,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             self._reap()  # (after this, no entry of a dead storage is left to confuse a lookup)
         if self._pending:
             self._issue_pending()
-        entries, dev, entry, tid = self._entries, self._dev_attr, self._entry, self._tid
-        tid_of = self._iter_tid.get
-        n_before = len(self._iter_entries)
-        ins, ids = [], []
+        entries, dev, entry = self._entries, self._dev_attr, self._entry
+        ins = []
         away = 0
         for t in _leaves(args) + _leaves(list(kwargs.values())) if kwargs else _leaves(args):
             if getattr(t, dev) is not True:  # is_cpu / is_cuda: cheaper than t.device
@@ -525,14 +571,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             if e is None:
                 e = entry(t)  # first sight (an input of the iteration)
             ins.append(e)
-            k = tid_of(e.cdata)
-            ids.append(tid(e) if k is None else k)
             if e.state is not RESIDENT:
                 away += e.nbytes
-        if ids != self._sig_ins[i]:
-            self._mark_stale(f"op {i}: {self.trace.ops[i].name} read other tensors than the trace has")
-            self._op = i  # (the general path counts it)
-            return self._handle(func, args, kwargs)
+        binds = self._bind_in[i]
+        if binds is not None and not self._bind(i, binds, ins):
+            return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
         need = away + self._born[i]
         if self._device_bytes + need > self.budget:
             self._make_room(need, ins)
@@ -543,26 +586,25 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 e.touched = True
         out = func(*args, **kwargs)
         label = self._op_labels[i]
-        outs, ids = [], []
+        outs = []
         for t in _leaves(out):
             e = entry(t, label)
             if e is not None:
                 outs.append(e)
-                k = tid_of(e.cdata)
-                ids.append(tid(e) if k is None else k)
         if _WRITES.get(func) != ():  # (most ops write no argument: skip the call)
             written = _written_args(func, args, kwargs)
             if written:
                 self._account_written(written, outs, label)
-                ids += [tid(e) for e in outs[len(ids):]]
-        if ids != self._sig_outs[i]:
-            self._mark_stale(f"op {i}: {self.trace.ops[i].name} wrote other tensors than the trace has")
-        elif len(self._iter_entries) > n_before:
-            self._check_new(i, n_before)
+        self._check_outs(i, outs)
+        if self._hinted:  # a reactive plan's pager evicts least recently used first
+            lru = self._lru
+            for e in ins + outs:
+                if e.cdata in lru:
+                    lru.move_to_end(e.cdata)
         if self._device_bytes > self._iter_peak:
             self._note_peak()
         if self._has_moves[i] and not self._stale:
-            self._fire(i)
+            self._fire(i, hints=self._hinted)
         self._op = i + 1
         return out
 

@@ -36,6 +36,33 @@ def _measure_copy_bw(device: torch.device) -> float:
     return 3 * n / max(time.perf_counter() - t0, 1e-9)
 
 
+def _bindings(trace: Trace, sigs: list[tuple]) -> tuple[list[tuple | None], list[tuple | None]]:
+    """Where a followed iteration finds the tensors the plan and the follower name: per
+    op, ``(position among its inputs or outputs, trace id, expected key or size)`` for
+    each tensor it uses first, if that tensor is a parameter or optimizer state (checked
+    by key), an activation or gradient (the plan moves them; Belady ranks them), or an
+    input of the iteration (the batch: checked by size before the first op that reads
+    it runs). Temporaries are not bound: their sizes are checked with their op's
+    results."""
+    seen: set[int] = set()
+    bind_in: list[tuple | None] = []
+    bind_out: list[tuple | None] = []
+    for _f, ins, outs, in_sizes, out_sizes in sigs:
+        for ids, sizes, side, first_as_input in ((ins, in_sizes, bind_in, True), (outs, out_sizes, bind_out, False)):
+            found = []
+            for pos, tid in enumerate(ids):
+                if tid in seen:
+                    continue
+                seen.add(tid)
+                info = trace.tensors[tid]
+                if info.persistent and info.key:
+                    found.append((pos, tid, info.key))
+                elif info.persistent or first_as_input or info.kind in ("activation", "gradient"):
+                    found.append((pos, tid, sizes[pos]))
+            side.append(tuple(found) or None)
+    return bind_in, bind_out
+
+
 class Profiling:
     """Profile, plan and predict (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
@@ -195,21 +222,13 @@ class Profiling:
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
         self._layout = self._plan_layout(trace, plan, hw)
-        # the follower's per-op tables (see executor._follow_op and _check_follow)
+        # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
         sigs = self._trace_sigs_next
-        self._n_ops = len(sigs)
+        self._n_ops, self._n_tensors = len(sigs), trace.n_tensors
         self._funcs = [f for f, *_ in sigs]
         self._fast_funcs = [None if _op_kind(f, _op_name(f)) else f for f in self._funcs]  # collectives: general path
-        self._sig_ins = [ins for _f, ins, _o, _s in sigs]
-        self._sig_outs = [outs for _f, _i, outs, _s in sigs]
-        self._sig_sizes = [sizes for *_, sizes in sigs]
-        self._trace_keys = [t.key if t.key and t.key.split(":")[0] in ("param", "buffer", "opt") else None
-                            for t in trace.tensors]
-        firsts = [k for k, (*_, sizes) in enumerate(sigs) for _ in sizes]  # the op that first used each tensor
-        self._persistent_at = [False] * self._n_ops  # ops that first use a parameter or optimizer state
-        for tid, key in enumerate(self._trace_keys):
-            if key is not None and tid < len(firsts):
-                self._persistent_at[firsts[tid]] = True
+        self._out_sizes = [out_sizes for *_, out_sizes in sigs]
+        self._bind_in, self._bind_out = _bindings(trace, sigs)
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
         self._has_moves = [bool(plan.by_op.get(i)) for i in range(self._n_ops)]
         self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}

@@ -236,8 +236,8 @@ class StorageTracking:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._in_iter:
             seq = self._saved_seq
-            self._saved_seq += 1
-            e = self._entry(t, f"saved{seq}")
+            self._saved_seq = seq + 1
+            e = self._entry(t, "saved")
             if e is not None and e.kind == "temporary":
                 self._label(e, "activation", f"saved:{seq}", f"saved{seq}")
         # not t: an output saved by its own grad_fn would tie graph and output in a cycle.
@@ -254,7 +254,7 @@ class StorageTracking:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         p = _plain(t) if type(t) not in _PLAIN else t
-        e = self._entries.get(p.untyped_storage()._cdata) if p.device.type == self.device.type else None
+        e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
             q, self._quiet = self._quiet, True
             try:
@@ -271,7 +271,8 @@ class StorageTracking:
             return
         del self._entries[e.cdata]
         self._lru.pop(e.cdata, None)
-        self._iter_tid.pop(e.cdata, None) if self._in_iter else None
+        if self._in_iter:
+            self._iter_tid.pop(e.cdata, None)
         if self._foreign.get(e.cdata) is e:
             del self._foreign[e.cdata]
         if e.state == RESIDENT:
