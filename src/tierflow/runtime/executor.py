@@ -200,10 +200,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         if self._ssd_dir is not None:
             cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default
             self._ssd = SSDStore(self._ssd_dir, cap, bounce_bytes=min(max(cap // 4, 16 << 20), 256 << 20),
-                                 workers=self._io_workers)
+                                 workers=self._io_workers, pin=self.device.type == "cuda")
         self.stats.host_pool_bytes = self._host.capacity
         self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd else 0
+        self.stats.ssd_bounce_bytes = self._ssd.bounce.capacity if self._ssd else 0
+        self.stats.pinned_bytes = (self._host.capacity if self.device.type == "cuda" else 0) + (
+            self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
         self._copier = Copier(self.device)
+        self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
         self._by_key: dict[str, _Entry] = {}
@@ -260,6 +264,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             return
         self._open = False
         self._quiet = True
+        self._copier.waits = {}  # (bringing everything home waits by design: not counted)
         errors: list[str] = []
         try:
             self._saved.__exit__(None, None, None)
@@ -585,17 +590,23 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             if e.pins:
                 e.touched = True
         out = func(*args, **kwargs)
-        label = self._op_labels[i]
         outs = []
         for t in _leaves(out):
-            e = entry(t, label)
-            if e is not None:
-                outs.append(e)
+            if getattr(t, dev) is not True:
+                continue
+            try:
+                e = entries.get(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue
+            if e is None or e.ref() is None:  # a new storage (or a new one at a dead one's address)
+                e = entry(t, self._op_labels[i])
+            outs.append(e)
         if _WRITES.get(func) != ():  # (most ops write no argument: skip the call)
             written = _written_args(func, args, kwargs)
             if written:
-                self._account_written(written, outs, label)
-        self._check_outs(i, outs)
+                self._account_written(written, outs, self._op_labels[i])
+        if [e.nbytes for e in outs] != self._out_sizes[i] or self._bind_out[i] is not None:
+            self._check_outs(i, outs)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
             lru = self._lru
             for e in ins + outs:

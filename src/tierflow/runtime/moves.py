@@ -65,7 +65,7 @@ class Moves:
             else:
                 off = self._host.arena.alloc(n)
             if off is None:
-                self._reap(wait=True)
+                self._wait_for_transfers("pool full")
                 off = self._host.arena.alloc(n)
             if off is None:
                 if self._ssd is None:
@@ -107,10 +107,12 @@ class Moves:
         assert self._ssd is not None
         off = self._ssd.bounce.alloc(n)
         while off is None and self._writes:
+            if not self._writes[0].io.done():
+                self._copier.count_wait("bounce full")
             self._finish_write(self._writes[0], wait=True)
             off = self._ssd.bounce.alloc(n)
         if off is None:
-            self._reap(wait=True)
+            self._wait_for_transfers("bounce full")
             off = self._ssd.bounce.alloc(n)
         if off is None:
             raise OffloadError(
@@ -163,11 +165,15 @@ class Moves:
         else:
             assert self._ssd is not None
             if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
+                if e.io is not None and not e.io.done():
+                    self._copier.count_wait("write in flight")
                 self._finish_write(e, wait=True, keep_bounce=True)
             elif e.state == AWAY:
                 e.bounce = self._bounce_alloc(n)
                 e.io = self._ssd.submit(False, e.bounce, e.slot, n)
             if e.io is not None:  # a read
+                if not e.io.done():
+                    self._copier.count_wait("ssd read")
                 try:
                     e.io.result()
                 except OSError as err:
@@ -265,11 +271,20 @@ class Moves:
         for e in list(self._writes):
             self._finish_write(e, wait=wait)
 
+    def _wait_for_transfers(self, reason: str) -> None:
+        """Block until every copy and SSD write in flight has finished (a buffer is full
+        and they hold it), counting the wait if there was one."""
+        if self._frees or self._writes:
+            self._copier.count_wait(reason)
+        self._reap(wait=True)
+
     def _give_back_slots(self, e: _Entry) -> None:
         """Give back what an away storage holds outside the device: its SSD write is
         waited for first (its bytes are being dropped, so an error no longer matters),
         then its bounce slot and its host or SSD slot."""
         if e.io is not None:
+            if not e.io.done():
+                self._copier.count_wait("write retired")
             try:
                 e.io.result()
             except OSError:

@@ -43,6 +43,13 @@ class RunStats:
         ideal_step_time_s: the trace's sum of op times (no transfers).
         policy: the policy that made the current plan.
         host_pool_bytes, ssd_file_bytes: the tiers' pre-allocated sizes.
+        ssd_bounce_bytes: the SSD tier's host staging buffer (transfers in flight).
+        pinned_bytes: page-locked host memory the run holds (CUDA: the host pool and
+            the SSD bounce buffer; CPU: none).
+        blocking_waits: times the host waited for a copy or SSD transfer to finish, by
+            reason (``pool full``, ``bounce full``, ``ssd read``, ``write retired``,
+            ``copy in flight``). A plan whose transfers fit their buffers and land in
+            time leaves it empty: the host never waits for the device otherwise.
         host_pool_peak: highest bytes in use in the host pool.
         rank, world_size: this process in ``torch.distributed`` (0 and 1 without it).
         plan_digest: digest of the plan followed (the same on every rank when they
@@ -85,6 +92,9 @@ class RunStats:
     policy: str = ""
     host_pool_bytes: int = 0
     ssd_file_bytes: int = 0
+    ssd_bounce_bytes: int = 0
+    pinned_bytes: int = 0
+    blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
     rank: int = 0
     world_size: int = 1

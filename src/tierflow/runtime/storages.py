@@ -267,20 +267,22 @@ class StorageTracking:
 
     def _retire(self, e: _Entry) -> None:
         """Forget a storage that died (its device bytes, or its slots while away)."""
-        if self._entries.get(e.cdata) is not e:
+        c = e.cdata
+        if self._entries.get(c) is not e:
             return
-        del self._entries[e.cdata]
-        self._lru.pop(e.cdata, None)
+        del self._entries[c]
+        if e.key is not None:  # (a temporary, the common case, is in none of these)
+            self._lru.pop(c, None)
+            if self._by_key.get(e.key) is e:
+                del self._by_key[e.key]
         if self._in_iter:
-            self._iter_tid.pop(e.cdata, None)
-        if self._foreign.get(e.cdata) is e:
-            del self._foreign[e.cdata]
-        if e.state == RESIDENT:
+            self._iter_tid.pop(c, None)
+        if e.foreign and self._foreign.get(c) is e:
+            del self._foreign[c]
+        if e.state is RESIDENT:
             self._device_bytes -= e.nbytes
         else:  # died while away: give its slots back
             self._give_back_slots(e)
-        if e.key and self._by_key.get(e.key) is e:
-            del self._by_key[e.key]
 
     def _on_special(self, kind: int, out: Any, ins: list[_Entry], outs: list[_Entry], wrote: list[_Entry]) -> None:
         """After a collective (``kind`` 1): every storage it reads or writes is pinned

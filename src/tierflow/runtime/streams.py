@@ -31,6 +31,9 @@ class Copier:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        # times the host blocked on a transfer, by reason (see count_wait): the runtime's
+        # steady state should leave this empty
+        self.waits: dict[str, int] = {}
         if self.cuda:
             self.side = torch.cuda.Stream(device)
             self.compute = torch.cuda.current_stream(device)
@@ -71,6 +74,13 @@ class Copier:
     def synchronize(event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def count_wait(self, reason: str) -> None:
+        """Note that the host is about to block on a transfer in flight (a copy or an
+        SSD transfer that a full buffer, a read or a retired write must wait for). On CPU
+        copies are synchronous, but these paths are the same as on CUDA, so the count
+        says where a GPU run would stall the host."""
+        self.waits[reason] = self.waits.get(reason, 0) + 1
 
     def drain(self) -> None:
         if self.cuda:

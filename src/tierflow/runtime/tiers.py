@@ -194,12 +194,17 @@ class SSDStore:
             bandwidth; more threads than that only add contention.
         direct: try ``O_DIRECT`` (falls back to buffered I/O plus
             ``posix_fadvise(DONTNEED)`` where the filesystem refuses it, e.g. tmpfs).
+        pin: page-lock the bounce memory (CUDA): the device-to-bounce and bounce-to-
+            device copies are then DMA on the side stream, asynchronous to the host;
+            from pageable memory CUDA would stage them through its own buffer and
+            block the host.
 
     Raises:
         SSDError: the directory cannot be made or the file cannot be pre-allocated.
     """
 
-    def __init__(self, ssd_dir: str | Path, capacity: int, bounce_bytes: int, workers: int = 2, direct: bool = True):
+    def __init__(self, ssd_dir: str | Path, capacity: int, bounce_bytes: int, workers: int = 2, direct: bool = True,
+                 pin: bool = False):
         root = Path(ssd_dir)
         if not root.is_dir():
             raise SSDError(f"ssd_dir {root}: not a directory")
@@ -232,8 +237,17 @@ class SSDStore:
             ) from None
         self.arena = Arena(self.capacity, align=PAGE)
         self.bounce = Arena(_round_up(max(int(bounce_bytes), PAGE), PAGE), align=PAGE)
-        self._bounce_mem = mmap.mmap(-1, self.bounce.capacity)  # anonymous: page-aligned
-        self.bounce_buffer = torch.frombuffer(self._bounce_mem, dtype=torch.uint8)
+        self.pinned = bool(pin)
+        if pin:  # page-locked by CUDA's allocator, page-aligned by hand (O_DIRECT needs it)
+            raw = torch.empty(self.bounce.capacity + PAGE, dtype=torch.uint8, pin_memory=True)
+            skew = (-raw.data_ptr()) % PAGE
+            self._bounce_raw = raw
+            self.bounce_buffer = raw[skew : skew + self.bounce.capacity]
+            self._bounce_mem = memoryview(self.bounce_buffer.numpy())  # the file I/O's view of it
+        else:
+            self._bounce_raw = None
+            self._bounce_mem = mmap.mmap(-1, self.bounce.capacity)  # anonymous: page-aligned
+            self.bounce_buffer = torch.frombuffer(self._bounce_mem, dtype=torch.uint8)
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tierflow-io")
         self.lock = threading.Lock()
         self.closed = False
@@ -287,9 +301,12 @@ class SSDStore:
             return
         self.closed = True
         self.pool.shutdown(wait=True)
-        self.bounce_buffer = torch.empty(0, dtype=torch.uint8)
+        self.bounce_buffer = self._bounce_raw = torch.empty(0, dtype=torch.uint8)
         try:
-            self._bounce_mem.close()
+            if isinstance(self._bounce_mem, mmap.mmap):
+                self._bounce_mem.close()
+            else:
+                self._bounce_mem.release()
         except BufferError:  # a view is still alive somewhere; the GC frees it
             pass
         self._remove()
