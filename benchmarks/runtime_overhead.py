@@ -165,8 +165,14 @@ def main(argv: list[str] | None = None) -> dict:
                     out.setdefault("overhead_vs_noop", {})[m] = r
                     print(f"{m}: per-op overhead {r:.2f}x the noop mode's (median of per-round ratios; "
                           f"range {min(ratios):.2f}-{max(ratios):.2f})")
-    if plain:
-        out["step_vs_plain"] = {m: med[m] / plain for m in modes}
+    if "plain" in samples:
+        out["step_vs_plain"] = {}
+        for m in modes:
+            ratios = [a / p for a, p in zip(samples[m], samples["plain"])]
+            out["step_vs_plain"][m] = statistics.median(ratios)
+            if m != "plain":
+                print(f"{m}: step {statistics.median(ratios):.3f}x plain (median of per-round ratios; "
+                      f"range {min(ratios):.3f}-{max(ratios):.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

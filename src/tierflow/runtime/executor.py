@@ -125,14 +125,16 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         run = self.run
-        if run._quiet:
+        if run._quiet:  # an op of our own, from a hook or from planning: not the user's
             return func(*args, **(kwargs or {}))
-        run._quiet = True  # our own copies and resizes are not the user's ops
+        # NOTE: the steady state (an iteration following its plan that still matches its
+        # trace, plain tensors) takes the lean path. It needs no _quiet: while a
+        # __torch_dispatch__ runs, torch has popped the mode, so the copies and resizes
+        # it makes never come back here.
+        if run._fast and not run._untracked and (not types or _plain_types(types)):
+            return run._follow_op(func, args, kwargs or {})
+        run._quiet = True
         try:
-            # NOTE: the steady state (a planned iteration that still matches its trace,
-            # plain tensors) takes the lean path; everything else the general one
-            if run._fast and not run._untracked and (not types or _plain_types(types)):
-                return run._follow_op(func, args, kwargs or {})
             return run._handle(func, args, kwargs or {}, types)
         finally:
             run._quiet = False
@@ -524,7 +526,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         check it is the tensor the trace saw there: a parameter or optimizer state by
         its key, anything else by its size. False (and the plan stale) if not."""
         entries, tid_of = self._iter_entries, self._iter_tid
-        for pos, tid, want in binds:
+        for pos, tid, want, label in binds:
             if pos >= len(ents):
                 self._mark_stale(f"op {i}: {self.trace.ops[i].name} used fewer tensors than the trace has")
                 return False
@@ -538,6 +540,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 return False
             entries[tid] = e
             tid_of[e.cdata] = tid
+            if label is not None and e.key is None:  # an activation or gradient, as profiled
+                self._label(e, *label)
         return True
 
     def _check_outs(self, i: int, outs: list[_Entry]) -> None:

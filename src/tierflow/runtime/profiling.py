@@ -40,10 +40,11 @@ def _bindings(trace: Trace, sigs: list[tuple]) -> tuple[list[tuple | None], list
     """Where a followed iteration finds the tensors the plan and the follower name: per
     op, ``(position among its inputs or outputs, trace id, expected key or size)`` for
     each tensor it uses first, if that tensor is a parameter or optimizer state (checked
-    by key), an activation or gradient (the plan moves them; Belady ranks them), or an
-    input of the iteration (the batch: checked by size before the first op that reads
-    it runs). Temporaries are not bound: their sizes are checked with their op's
-    results."""
+    by key), an activation or gradient (the plan moves them; Belady ranks them; bound,
+    they are labelled as profiled, so the pack and gradient hooks have nothing to do),
+    or an input of the iteration (the batch: checked by size before the first op that
+    reads it runs), with the label to give it. Temporaries are not bound: their sizes
+    are checked with their op's results."""
     seen: set[int] = set()
     bind_in: list[tuple | None] = []
     bind_out: list[tuple | None] = []
@@ -56,9 +57,11 @@ def _bindings(trace: Trace, sigs: list[tuple]) -> tuple[list[tuple | None], list
                 seen.add(tid)
                 info = trace.tensors[tid]
                 if info.persistent and info.key:
-                    found.append((pos, tid, info.key))
-                elif info.persistent or first_as_input or info.kind in ("activation", "gradient"):
-                    found.append((pos, tid, sizes[pos]))
+                    found.append((pos, tid, info.key, None))
+                elif info.kind in ("activation", "gradient"):  # labelled here, not by the hooks
+                    found.append((pos, tid, sizes[pos], (info.kind, info.key, info.name)))
+                elif info.persistent or first_as_input:
+                    found.append((pos, tid, sizes[pos], None))
             side.append(tuple(found) or None)
     return bind_in, bind_out
 

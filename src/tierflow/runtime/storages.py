@@ -218,7 +218,7 @@ class StorageTracking:
 
     def _on_grad(self, name: str):
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
+            if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
                 q, self._quiet = self._quiet, True
                 try:
                     self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
@@ -234,7 +234,7 @@ class StorageTracking:
         return tid
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._in_iter:
+        if self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
             seq = self._saved_seq
             self._saved_seq = seq + 1
             e = self._entry(t, "saved")
