@@ -120,9 +120,17 @@ def _op_kind(func, name: str) -> int:
     return k
 
 
+_U8_PROTO: dict[Any, torch.Tensor] = {}  # device -> an empty uint8 tensor to make views from
+
+
 def _u8(st: torch.UntypedStorage, n: int) -> torch.Tensor:
-    """A flat byte view of a whole storage (shares it; no autograd, own version counter)."""
-    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (n,), (1,))
+    """A flat byte view of a whole storage of ``n`` bytes (shares it; no autograd, own
+    version counter). From a cached empty tensor: this runs twice per move."""
+    dev = st.device
+    proto = _U8_PROTO.get(dev)
+    if proto is None:
+        proto = _U8_PROTO[dev] = torch.empty(0, dtype=torch.uint8, device=dev)
+    return proto.new_empty(0).set_(st, 0, (n,), (1,))
 
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
