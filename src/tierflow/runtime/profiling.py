@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import PlanError, TierflowError
-from ..hardware import Compute, Hardware, Link, Tier, load_hardware
+from ..hardware import Compute, Hardware, HostCompute, Link, Tier, load_hardware
 from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
@@ -64,6 +64,20 @@ def _bindings(trace: Trace, sigs: list[tuple]) -> tuple[list[tuple | None], list
                     found.append((pos, tid, sizes[pos], None))
             side.append(tuple(found) or None)
     return bind_in, bind_out
+
+
+_HOST_RATE: list[HostCompute] = []  # measured once per process
+
+
+def _host_optimizer_rate() -> HostCompute:
+    """The host's AdamW rate, for plans that step the optimizer on the host. Measured
+    once per process at small sizes (a few tens of milliseconds): in CPU mode the
+    "device" and the host are the same CPU, so the figure only orders the choices."""
+    if not _HOST_RATE:
+        from ..capture.host import measure_host_optimizer
+
+        _HOST_RATE.append(measure_host_optimizer(sizes=(1 << 14, 1 << 18), repeats=2, params_per_size=2))
+    return _HOST_RATE[0]
 
 
 class Profiling:
@@ -160,8 +174,12 @@ class Profiling:
             # NVMe-class rates; the runtime's own transfers are what stats report
             tiers.append(Tier("ssd", "ssd", float(self._ssd.capacity), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
             links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
+        host = _host_optimizer_rate()
+        if self._sync is not None:
+            host = replace(host, optimizer_bytes_per_s=self._sync.min(host.optimizer_bytes_per_s))
         return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
-                        description="CPU mode: device and host are both RAM, the budget accounted")
+                        description="CPU mode: device and host are both RAM, the budget accounted",
+                        host_compute=host)
 
     def _make_plan(self, trace: Trace) -> None:
         from ..policies import make_plan, min_working_set
