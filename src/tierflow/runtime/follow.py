@@ -21,20 +21,17 @@ class PlanFollowing:
     """The plan follower (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
     def _fire(self, op: int, hints: bool = False) -> None:
-        assert self.plan is not None and self.trace is not None
-        for m in self.plan.by_op.get(op, ()):
-            info = self.trace.tensors[m.tensor]
-            if info.persistent:
-                e = self._by_key.get(info.key or "")
-            else:
-                e = self._iter_entries[m.tensor] if m.tensor < len(self._iter_entries) else None
+        """Issue the plan's moves "after op ``op``" (from the per-op table
+        :meth:`_move_table` built when the plan was made)."""
+        entries, by_key, stats = self._iter_entries, self._by_key, self.stats
+        for evict, tid, key, tier, slot in self._actions[op]:
+            e = by_key.get(key) if key is not None else entries[tid]
             if e is None or e.ref() is None or e.kind not in OWNED or not e.resizable:
-                self.stats.skipped_moves += 1
+                stats.skipped_moves += 1
                 continue
-            if m.kind == "evict":
-                rt = self._tier_of(m.tier)
-                done = self._evict(e, rt, self._layout.get((m.tensor, op + 1, rt)))
-            elif e.state == RESIDENT or e in self._pending:
+            if evict:
+                done = self._evict(e, tier, slot)
+            elif e.state is RESIDENT or e in self._pending:
                 done = False
             elif hints:  # a UVM-style prefetch hint makes room, like a fault
                 self._make_room(e.nbytes, [])
@@ -43,10 +40,28 @@ class PlanFollowing:
                 self._pending.append(e)
                 continue
             if done:
-                self.stats.planned_moves += 1
+                stats.planned_moves += 1
             else:
-                self.stats.skipped_moves += 1
-        self._issue_pending()
+                stats.skipped_moves += 1
+        if self._pending:
+            self._issue_pending()
+
+    def _move_table(self, trace: Trace, plan: Any) -> list[tuple]:
+        """Per op, the moves after it as ``(evict?, tensor id, key, runtime tier, planned
+        slot)``: persistent tensors are found by key, the rest by their bound id; the
+        tier and the pool layout's offset are looked up once, not per move."""
+        table: list[tuple] = [()] * trace.n_ops
+        for op, moves in plan.by_op.items():
+            if not 0 <= op < trace.n_ops:
+                continue
+            acts = []
+            for m in moves:
+                info = trace.tensors[m.tensor]
+                rt = self._tier_of(m.tier)
+                acts.append((m.kind == "evict", m.tensor, (info.key or "") if info.persistent else None, rt,
+                             self._layout.get((m.tensor, op + 1, rt)) if m.kind == "evict" else None))
+            table[op] = tuple(acts)
+        return table
 
     def _issue_pending(self) -> None:
         """Start queued planned prefetches, in order, while they fit the budget."""

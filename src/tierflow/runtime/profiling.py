@@ -251,7 +251,8 @@ class Profiling:
         self._out_sizes = [out_sizes for *_, out_sizes in sigs]
         self._bind_in, self._bind_out = _bindings(trace, sigs)
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
-        self._has_moves = [bool(plan.by_op.get(i)) for i in range(self._n_ops)]
+        self._actions = self._move_table(trace, plan)
+        self._has_moves = [bool(a) for a in self._actions]
         self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
         self._pending.clear()
         born = [0] * (trace.n_ops + 1)
