@@ -10,7 +10,9 @@ round by round so that the machine's load falls on all of them alike:
 - ``offload@60%``: under ``tierflow.offload`` at 60% of the profiled peak (the plan
   moves tensors; their copies are part of the cost).
 
-Every mode runs its own warm-up first (for ``offload``: the warm-up iteration, the
+Steps are timed by the process's CPU time by default (``--clock wall`` for wall time): on
+a shared machine another process's load changes wall times by tens of percent between
+rounds, the CPU time this process spends far less. Every mode runs its own warm-up first (for ``offload``: the warm-up iteration, the
 profiled one and the first planned one), then ``--steps`` timed steps; a round's figure
 is the median step. The per-op overhead of a mode is ``(median step - plain median) /
 ops per step``, the ops counted by the noop mode. The figure the runtime issue asks for
@@ -78,7 +80,7 @@ def _step(net, opt, x, y, loss_fn) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _timed(setup, ctx_factory, warmup: int, steps: int) -> tuple[float, object]:
+def _timed(setup, ctx_factory, warmup: int, steps: int, clock) -> tuple[float, object]:
     net, opt, x, y, loss_fn = setup
     ctx = ctx_factory(net, opt)
     times = []
@@ -86,9 +88,9 @@ def _timed(setup, ctx_factory, warmup: int, steps: int) -> tuple[float, object]:
         for _ in range(warmup):
             _step(net, opt, x, y, loss_fn)
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0 = clock()
             _step(net, opt, x, y, loss_fn)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times), handle
 
 
@@ -101,9 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round and mode")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="cpu (default): the process's CPU time, which a shared, loaded machine "
+                         "disturbs far less than wall time; wall: time.perf_counter")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     batch = args.batch or zoo.spec(args.model).batch
     modes = args.modes.split(",")
     setups = {m: _setup(args.model, batch, args.seq) for m in modes}
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in range(args.rounds):
         for m in modes:
             warm = 3 if m.startswith("offload") else 1
-            t, handle = _timed(setups[m], factories[m], warm, args.steps)
+            t, handle = _timed(setups[m], factories[m], warm, args.steps, clock)
             samples[m].append(t)
             if m.startswith("offload"):
                 s = handle.stats
@@ -140,11 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
               file=sys.stderr)
     med = {m: statistics.median(v) for m, v in samples.items()}
     plain = med.get("plain")
-    out = {"model": args.model, "batch": batch, "seq": args.seq, "threads": args.threads, "rounds": args.rounds,
+    out = {"model": args.model, "batch": batch, "seq": args.seq, "threads": args.threads, "clock": args.clock,
+           "rounds": args.rounds,
            "steps": args.steps, "ops_per_step": ops, "median_step_s": med, "stats": stats,
            "load_avg": os.getloadavg(), "torch": torch.__version__}
     print(f"\n{args.model} b{batch}{f' s{args.seq}' if args.seq else ''}, {ops} aten ops per step, "
-          f"{args.threads} thread(s), load {os.getloadavg()[0]:.2f}")
+          f"{args.threads} thread(s), {args.clock} time, load {os.getloadavg()[0]:.2f}")
     print(f"{'mode':<14} {'step (ms)':>10} {'vs plain':>9} {'per op (us)':>12}")
     per_op = {}
     for m in modes:

@@ -563,11 +563,17 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         i = self._op
         if i >= self._n_ops or self._fast_funcs[i] is not func:
             return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
-        if self._dead or self._frees or self._writes or self._inflight:
-            self._reap()  # (after this, no entry of a dead storage is left to confuse a lookup)
+        entries, dev, entry = self._entries, self._dev_attr, self._entry
+        dead = self._dead
+        while dead:  # storages that died: forget them (then no entry of a dead storage is
+            c = dead.popleft()  # left to confuse a lookup by address below)
+            e = entries.get(c)
+            if e is not None and e.ref() is None:
+                self._retire(e)
+        if self._frees or self._writes or self._inflight:
+            self._reap()
         if self._pending:
             self._issue_pending()
-        entries, dev, entry = self._entries, self._dev_attr, self._entry
         ins = []
         away = 0
         for t in _leaves(args) + _leaves(list(kwargs.values())) if kwargs else _leaves(args):
@@ -602,7 +608,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 e = entries.get(t.untyped_storage()._cdata)
             except (RuntimeError, NotImplementedError):
                 continue
-            if e is None or e.ref() is None:  # a new storage (or a new one at a dead one's address)
+            if e is None:  # a new storage
+                st = t.untyped_storage()
+                e = self._new_entry(st, st._cdata, self._op_labels[i])
+            elif e.ref() is None:  # (a new storage at the address of one that died in the op)
                 e = entry(t, self._op_labels[i])
             outs.append(e)
         if _WRITES.get(func) != ():  # (most ops write no argument: skip the call)

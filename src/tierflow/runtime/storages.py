@@ -199,11 +199,17 @@ class StorageTracking:
             self._retire(e)
             e = None
         if e is None:
-            n = int(st.nbytes())
-            e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata: self._dead.append(c)),
-                       name=produced_by or "<pre-existing>", resizable=bool(st.resizable()))
-            self._entries[cdata] = e
-            self._device_bytes += n
+            e = self._new_entry(st, cdata, produced_by or "<pre-existing>")
+        return e
+
+    def _new_entry(self, st: torch.UntypedStorage, cdata: int, name: str) -> _Entry:
+        """Start tracking storage ``st`` (at address ``cdata``): accounted on the device,
+        its death reported through a weak reference."""
+        n = st.nbytes()
+        e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata: self._dead.append(c)), name=name,
+                   resizable=st.resizable())
+        self._entries[cdata] = e
+        self._device_bytes += n
         return e
 
     def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
@@ -261,6 +267,8 @@ class StorageTracking:
             self._quiet = q
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._fast:  # following a plan, the op that reads it fetches it if it is away
+            return t
         p = _plain(t) if type(t) not in _PLAIN else t
         e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
