@@ -85,9 +85,12 @@ def test_trainer_with_callback_is_bitwise_plain_trainer(base_model, tmp_path):
     assert st.steps == STEPS  # one iteration per optimizer step: 2 micro-batches each, no eval
     assert st.moved_bytes["host"] > 0 and st.planned_moves > 0
     # evaluation ran under torch.no_grad() between steps, untracked: not profiled, no departure
-    # (the warm-up, while AdamW has no state yet, is recorded too: two recorded, one plan)
-    assert st.profiled_steps == 2 and st.replans == 1 and st.stale_plans == 0
-    assert st.planned_steps == STEPS - 2 and st.reactive_steps == 0
+    # (the warm-up, while AdamW has no state yet, is recorded too; the Trainer's default
+    # fused AdamW holds most of this small model's bytes, so once the 70% budget is known
+    # its step runs in chunks, profiled once more: three recorded, one plan)
+    assert st.optimizer_chunks > 1
+    assert st.profiled_steps == 3 and st.replans == 1 and st.stale_plans == 0
+    assert st.planned_steps == STEPS - 3 and st.reactive_steps == 0
 
 
 def test_trainer_callback_with_ssd_and_a_checkpoint(base_model, tmp_path):

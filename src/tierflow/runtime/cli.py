@@ -43,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ssd-dir", default=None, help="directory for the SSD tier's file (default: no SSD tier)")
     p.add_argument("--check-parity", action="store_true",
                    help="also train without tierflow and compare losses, gradients, parameters bitwise")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--optimizer", choices=("adamw", "adamw-foreach", "adamw-fused", "sgd", "sgd-foreach"),
+                   default="adamw", help="torch's default implementation, or a multi-tensor one (default adamw)")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train on N local processes under torch.distributed (gloo on CPU, nccl on CUDA), "
                    "one tierflow.offload per rank; --batch is then per rank (as 'torchrun --nproc-per-node N "

@@ -67,6 +67,7 @@ from ..units import parse_bytes
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .moves import Moves
+from .optim_chunks import ChunkedStep
 from .profiling import Profiling
 from .stats import RunStats
 from .storages import (
@@ -249,7 +250,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         for n, p in self.model.named_parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
+        self._chunker: ChunkedStep | None = None
         if self.optimizer is not None:
+            chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")
+            if chunker.wanted:  # foreach/fused groups: stepped in chunks that fit the budget
+                chunker.install()
+                if math.isfinite(self.budget):
+                    chunker.cap = chunker.cap_for(self.budget)
+                self._chunker = chunker
             self._hooks.append(self.optimizer.register_step_pre_hook(self._on_step_pre))
             self._hooks.append(self.optimizer.register_step_post_hook(lambda *a: self.end_iteration()))
         if self.device.type == "cuda":
@@ -273,6 +281,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             self._mode.__exit__(None, None, None)
             for h in self._hooks:
                 h.remove()
+            if self._chunker is not None:
+                self._chunker.uninstall()
             # bring everything home: the model and optimizer are whole again after the block
             for e in list(self._entries.values()):
                 if e.state != RESIDENT:
@@ -396,14 +406,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 if want:
                     if self._sync is not None:
                         trace = self._agree_trace(trace)
-                    self._make_plan(trace)
-                    if self._sync is not None:
+                    planned = self._make_plan(trace)
+                    if planned and self._sync is not None:
                         self._sync.check_same(
                             "made different plans", self.stats.plan_digest or "",
                             f" from the same trace with policy {self.stats.policy!r}: the policy is not a pure "
                             "function of the trace and hardware (a wall-clock limit?); pass sync_ranks=False "
                             "to let each rank follow its own plan")
-                    self._need_profile = False
+                    self._need_profile = not planned
             finally:
                 self._quiet = False
         elif (self._planned or self._hinted) and not self._stale:

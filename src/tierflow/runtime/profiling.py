@@ -181,7 +181,10 @@ class Profiling:
                         description="CPU mode: device and host are both RAM, the budget accounted",
                         host_compute=host)
 
-    def _make_plan(self, trace: Trace) -> None:
+    def _make_plan(self, trace: Trace) -> bool:
+        """Plan from ``trace``; False if the trace cannot be planned from yet (the
+        budget, only now known, splits the optimizer step into chunks the profiled
+        iteration did not run: the next iteration is profiled with them)."""
         from ..policies import make_plan, min_working_set
         from ..simulate import simulate
 
@@ -190,6 +193,11 @@ class Profiling:
         if self._budget_share is not None:
             self.budget = self._budget_share * trace.peak_live_bytes
             self.stats.budget_bytes = self.budget
+        chunker = self._chunker
+        if chunker is not None and chunker.cap is None and math.isfinite(self.budget):
+            chunker.cap = chunker.cap_for(self.budget)
+            if chunker.cap is not None:  # the profiled step ran whole: profile the chunked one
+                return False
         need, op = min_working_set(trace)
         if need > self.budget:
             raise BudgetError(
@@ -260,3 +268,6 @@ class Profiling:
             if not t.persistent:
                 born[int(trace.birth[t.id])] += t.bytes
         self._born = born
+        if self._chunker is not None:
+            self.stats.optimizer_chunks = self._chunker.chunks
+        return True

@@ -44,6 +44,9 @@ class RunStats:
         policy: the policy that made the current plan.
         host_pool_bytes, ssd_file_bytes: the tiers' pre-allocated sizes.
         ssd_bounce_bytes: the SSD tier's host staging buffer (transfers in flight).
+        optimizer_chunks: the param-group chunks the profiled optimizer step ran in
+            (a foreach or fused optimizer under a budget its whole state exceeds:
+            :mod:`tierflow.runtime.optim_chunks`); 0 when the step is not wrapped.
         pinned_bytes: page-locked host memory the run holds (CUDA: the host pool and
             the SSD bounce buffer; CPU: none).
         blocking_waits: times the host waited for a copy or SSD transfer to finish, by
@@ -94,6 +97,7 @@ class RunStats:
     ssd_file_bytes: int = 0
     ssd_bounce_bytes: int = 0
     pinned_bytes: int = 0
+    optimizer_chunks: int = 0
     blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
     rank: int = 0

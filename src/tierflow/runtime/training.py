@@ -78,6 +78,15 @@ class TrainResult:
         }
 
 
+OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "sgd-foreach": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=True),
+}
+
+
 def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=contextlib.nullcontext,
                after_step: Callable[[int, float], None] | None = None):
     """The user's loop, exactly as written without tierflow. Returns losses and, when
@@ -146,7 +155,10 @@ def train(
         check_parity: also train an identical model without tierflow (same seed, same
             batch) and compare every loss, every gradient and the final parameters
             bitwise. Doubles the work.
-        optimizer: ``adamw`` (lr 1e-3) or ``sgd`` (momentum 0.9, lr 1e-2).
+        optimizer: ``adamw`` (lr 1e-3) or ``sgd`` (momentum 0.9, lr 1e-2), torch's
+            default implementation for the device; ``adamw-foreach``, ``adamw-fused``,
+            ``sgd-foreach``: the multi-tensor ones (stepped in chunks under a budget:
+            :mod:`tierflow.runtime.optim_chunks`).
         strategy: with ``torch.distributed`` initialised, ``"ddp"`` (the model in
             ``DistributedDataParallel``) or ``"fsdp"`` (FSDP2: ``fully_shard`` on every
             block of the model's ``ModuleList``s, then on the model). ``batch`` is then
@@ -177,6 +189,8 @@ def train(
     if spec.seq is None:
         seq = None
     rank, size = world()
+    if optimizer not in OPTIMIZERS:
+        raise TierflowError(f"unknown optimizer {optimizer!r} (optimizers: {', '.join(OPTIMIZERS)})")
     if strategy is not None and strategy not in ("ddp", "fsdp"):
         raise TierflowError(f"unknown strategy {strategy!r} (strategies: ddp, fsdp)")
 
@@ -184,8 +198,7 @@ def train(
         m = zoo.build(model, device=device, seed=seed)
         net = _wrap(m.model, strategy, torch.device(device))
         params = list(net.parameters())
-        opt = (torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw"
-               else torch.optim.SGD(params, lr=1e-2, momentum=0.9))
+        opt = OPTIMIZERS[optimizer](params)
         make = m.make_batch
         if strategy is not None:
             def make(b, t=None, _make=m.make_batch):  # this rank's slice of the global batch
