@@ -250,6 +250,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         for n, p in self.model.named_parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
+        self._labelled_states = -1  # len(optimizer.state) when its tensors were last labelled
         self._chunker: ChunkedStep | None = None
         if self.optimizer is not None:
             chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")

@@ -34,14 +34,27 @@ class Moves:
             self._sync_foreign()
             if self._device_bytes + need <= self.budget:
                 return
-        if self._in_step:  # state the optimizer created in this step is evictable too
-            self._label_opt_state()
+        if self._in_step and len(self.optimizer.state) != self._labelled_states:
+            self._label_opt_state()  # state the optimizer created in this step is evictable too
         pinned = {e.cdata for e in keep}
-        for e in self._victims(pinned):
-            if self._device_bytes + need <= self.budget:
-                break
-            if self._evict(e, "host"):
+        if self._in_iter and self._planned and not self._stale:
+            for e in self._victims(pinned):  # Belady: the trace's next use, furthest first
+                if self._device_bytes + need <= self.budget:
+                    break
+                if self._evict(e, "host"):
+                    self.stats.unplanned_evictions += 1
+            return
+        # least recently used first, found lazily: the front of the LRU order, skipping
+        # what this op needs and what cannot move now
+        lru, skip = self._lru, pinned
+        while self._device_bytes + need > self.budget:
+            victim = next((e for c, e in lru.items() if c not in skip), None)
+            if victim is None:
+                return
+            if self._evict(victim, "host"):
                 self.stats.unplanned_evictions += 1
+            else:
+                skip = skip | {victim.cdata}
 
     def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
         st = e.ref()

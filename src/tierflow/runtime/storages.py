@@ -224,6 +224,7 @@ class StorageTracking:
     def _label_opt_state(self) -> None:
         if self.optimizer is None:
             return
+        self._labelled_states = len(self.optimizer.state)
         for p, state in self.optimizer.state.items():
             pn = self._names.get(id(p), f"<param {id(p):x}>")
             for k, v in state.items():
