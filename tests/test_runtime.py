@@ -100,8 +100,8 @@ def test_every_policy_parity_and_budget(policy, tmp_path):
         warnings.warn(f"policy {policy} planned for none of the budgets: {tried}", stacklevel=1)
     assert s.planned_steps >= 17 and s.stale_plans == 0
     assert s.predicted_step_time_s is not None and s.predicted_step_time_s > 0
-    if policy != "ideal":
-        assert sum(s.moved_bytes.values()) > 0  # the budget made something move
+    if policy != "ideal":  # the budget made something move, or be dropped and recomputed
+        assert sum(s.moved_bytes.values()) > 0 or (s.dropped_bytes > 0 and s.recomputed_ops > 0)
 
 
 def test_budget_in_bytes_is_enforced_from_the_first_step():

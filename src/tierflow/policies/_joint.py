@@ -237,8 +237,9 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         if gains(s2, v.score):
             v.plan, v.score = inner, s2
             best_score = min(best_score, s2)
-    best = min(variants, key=lambda v: (round(v.score, 9), variants.index(v)))
-    if best.lowered.recomputes or best.lowered.host_steps:
+    # (no variant at all: nothing to recompute and no host compute; moving alone then)
+    best = min(variants, key=lambda v: (round(v.score, 9), variants.index(v)), default=None)
+    if best is not None and (best.lowered.recomputes or best.lowered.host_steps):
         plan, score = best.lowered.plan(best.plan), best.score
     else:
         plan, score = None, float("inf")

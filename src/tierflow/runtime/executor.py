@@ -69,6 +69,7 @@ from .follow import PlanFollowing
 from .moves import Moves
 from .optim_chunks import ChunkedStep
 from .profiling import Profiling
+from .recompute import DROPPED, Recomputing, rng_states
 from .stats import RunStats
 from .storages import (
     _PLAIN,
@@ -141,7 +142,7 @@ class _Mode(TorchDispatchMode):
             run._quiet = False
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Profiling):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -251,6 +252,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
         self._labelled_states = -1  # len(optimizer.state) when its tensors were last labelled
+        self._dropped_in: dict[int, int] = {}  # recompute: dropped storage -> its chain
         self._chunker: ChunkedStep | None = None
         if self.optimizer is not None:
             chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")
@@ -286,7 +288,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 self._chunker.uninstall()
             # bring everything home: the model and optimizer are whole again after the block
             for e in list(self._entries.values()):
-                if e.state != RESIDENT:
+                if e.state != RESIDENT and e.state is not DROPPED:  # (a dropped activation dies with its graph)
                     try:
                         self._fetch(e)
                     except TierflowError as err:
@@ -425,6 +427,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         if self._stale:
             self._need_profile = True
         self._iter_tid, self._iter_entries = {}, []
+        self._reset_chains()  # (what a chain holds is released with the iteration)
 
     def _time_step(self, kind: str) -> None:
         """Record the iteration's time. On CPU the wall time. On CUDA the time between
@@ -602,6 +605,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         binds = self._bind_in[i]
         if binds is not None and not self._bind(i, binds, ins):
             return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
+        if self._remakes[i]:  # recompute chains due before this op
+            self._remake_before(i)
         need = away + self._born[i]
         if self._device_bytes + need > self.budget:
             self._make_room(need, ins)
@@ -610,6 +615,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 self._ensure_resident(e)
             if e.pins:
                 e.touched = True
+        chains = self._chain_ops[i]
+        states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         out = func(*args, **kwargs)
         outs = []
         for t in _leaves(out):
@@ -631,6 +638,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 self._account_written(written, outs, self._op_labels[i])
         if [e.nbytes for e in outs] != self._out_sizes[i] or self._bind_out[i] is not None:
             self._check_outs(i, outs)
+        if chains and not self._stale:
+            self._record(i, func, args, kwargs, out, states)
+        if self._drops[i] and not self._stale:
+            self._drop(i)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
             lru = self._lru
             for e in ins + outs:

@@ -18,6 +18,7 @@ import torch
 
 from ..units import fmt_bytes
 from .errors import OffloadError, SSDError
+from .recompute import DROPPED
 from .storages import AWAY, INCOMING, OWNED, RESIDENT, _Entry, _u8
 from .streams import Copier
 
@@ -149,6 +150,9 @@ class Moves:
         return True
 
     def _ensure_resident(self, e: _Entry) -> None:
+        if e.state is DROPPED:  # dropped for recompute: its chain runs now
+            self._remake_entry(e)
+            return
         if e.state != RESIDENT:
             # an SSD read that already landed in its bounce slot is a prefetch that worked
             landed = e.state == INCOMING and e.io is not None and e.io.done()

@@ -36,15 +36,16 @@ def _measure_copy_bw(device: torch.device) -> float:
     return 3 * n / max(time.perf_counter() - t0, 1e-9)
 
 
-def _bindings(trace: Trace, sigs: list[tuple]) -> tuple[list[tuple | None], list[tuple | None]]:
+def _bindings(trace: Trace, sigs: list[tuple], named: set[int] = frozenset()) -> tuple[list[tuple | None], list[tuple | None]]:
     """Where a followed iteration finds the tensors the plan and the follower name: per
     op, ``(position among its inputs or outputs, trace id, expected key or size)`` for
     each tensor it uses first, if that tensor is a parameter or optimizer state (checked
     by key), an activation or gradient (the plan moves them; Belady ranks them; bound,
     they are labelled as profiled, so the pack and gradient hooks have nothing to do),
     or an input of the iteration (the batch: checked by size before the first op that
-    reads it runs), with the label to give it. Temporaries are not bound: their sizes
-    are checked with their op's results."""
+    reads it runs), or a tensor in ``named`` (those recompute chains re-make), with the
+    label to give it. Other temporaries are not bound: their sizes are checked with
+    their op's results."""
     seen: set[int] = set()
     bind_in: list[tuple | None] = []
     bind_out: list[tuple | None] = []
@@ -60,7 +61,7 @@ def _bindings(trace: Trace, sigs: list[tuple]) -> tuple[list[tuple | None], list
                     found.append((pos, tid, info.key, None))
                 elif info.kind in ("activation", "gradient"):  # labelled here, not by the hooks
                     found.append((pos, tid, sizes[pos], (info.kind, info.key, info.name)))
-                elif info.persistent or first_as_input:
+                elif info.persistent or first_as_input or tid in named:
                     found.append((pos, tid, sizes[pos], None))
             side.append(tuple(found) or None)
     return bind_in, bind_out
@@ -76,7 +77,8 @@ def _host_optimizer_rate() -> HostCompute:
     if not _HOST_RATE:
         from ..capture.host import measure_host_optimizer
 
-        _HOST_RATE.append(measure_host_optimizer(sizes=(1 << 14, 1 << 18), repeats=2, params_per_size=2))
+        with torch.random.fork_rng(devices=[]):  # (the user's random stream is not ours to draw from)
+            _HOST_RATE.append(measure_host_optimizer(sizes=(1 << 14, 1 << 18), repeats=2, params_per_size=2))
     return _HOST_RATE[0]
 
 
@@ -207,16 +209,17 @@ class Profiling:
         budget = self.budget if math.isfinite(self.budget) else None
         arg = self._policy_arg
         if callable(arg):
-            plan = arg(trace, hw, self.budget)
+            plan = arg(trace, replace(hw, host_compute=None), self.budget)
         else:
             name = arg
             options = dict(self._policy_options)
-            if name == "tierflow":
-                # this executor follows moves only: until it runs recompute chains and
-                # host optimizer steps (issue 14's runtime side), tierflow plans moves
-                options.setdefault("levers", "move")
+            # NOTE: the runtime executes moves and recompute chains; host-side optimizer
+            # steps are not executed yet, so policies plan without the host's compute
+            # (tierflow then weighs keep / move / recompute; the ZeRO policies, which need
+            # it, fall back to the reactive pager and say so in stats.plan_error)
+            plan_hw = replace(hw, host_compute=None)
             try:
-                plan = make_plan(name, trace, hw, budget=budget, **options)
+                plan = make_plan(name, trace, plan_hw, budget=budget, **options)
             except PlanError as e:
                 # The policy cannot plan for this budget (the budget itself is above the
                 # minimum working set: checked above). Training goes on with the reactive
@@ -257,7 +260,8 @@ class Profiling:
         self._funcs = [f for f, *_ in sigs]
         self._fast_funcs = [None if _op_kind(f, _op_name(f)) else f for f in self._funcs]  # collectives: general path
         self._out_sizes = [out_sizes for *_, out_sizes in sigs]
-        self._bind_in, self._bind_out = _bindings(trace, sigs)
+        self._bind_in, self._bind_out = _bindings(trace, sigs, {t for r in plan.recomputes for t in r.tensors})
+        self._recompute_tables(trace, plan)
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
         self._actions = self._move_table(trace, plan)
         self._has_moves = [bool(a) for a in self._actions]

@@ -44,6 +44,12 @@ class RunStats:
         policy: the policy that made the current plan.
         host_pool_bytes, ssd_file_bytes: the tiers' pre-allocated sizes.
         ssd_bounce_bytes: the SSD tier's host staging buffer (transfers in flight).
+        recomputed_ops: ops re-run by recompute chains; recompute_s: seconds spent
+            re-running them (and copying the re-made bytes back).
+        dropped_bytes: bytes of activations dropped for recompute (no transfer).
+        skipped_drops: planned drops not made (a chain not recorded whole, a tensor the
+            runtime could not identify or free); the tensor then stays on the device.
+        early_recomputes: chains re-run on demand, before their planned op.
         optimizer_chunks: the param-group chunks the profiled optimizer step ran in
             (a foreach or fused optimizer under a budget its whole state exceeds:
             :mod:`tierflow.runtime.optim_chunks`); 0 when the step is not wrapped.
@@ -98,6 +104,11 @@ class RunStats:
     ssd_bounce_bytes: int = 0
     pinned_bytes: int = 0
     optimizer_chunks: int = 0
+    recomputed_ops: int = 0
+    recompute_s: float = 0.0
+    dropped_bytes: int = 0
+    skipped_drops: int = 0
+    early_recomputes: int = 0
     blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
     rank: int = 0

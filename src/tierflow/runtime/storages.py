@@ -298,6 +298,8 @@ class StorageTracking:
             del self._foreign[c]
         if e.state is RESIDENT:
             self._device_bytes -= e.nbytes
+        elif e.state == "dropped":  # (for recompute: no bytes anywhere)
+            self._dropped_in.pop(c, None)
         else:  # died while away: give its slots back
             self._give_back_slots(e)
 

@@ -1,0 +1,273 @@
+"""Executing the plan's recompute chains: drop an activation after its last forward use,
+re-make it bitwise before backward needs it.
+
+The mechanism, and why. A chain (:class:`tierflow.plan.Recompute`) names the tensors it
+re-creates, the forward ops that make them, and the op before which they must be back.
+The runtime works on storages, as it does for moves: after the tensor's last use before
+``before_op`` its storage is shrunk to zero bytes (``untyped_storage().resize_(0)``,
+like an eviction with no copy), so the saved tensor autograd holds stays a valid object
+and the memory is gone; before ``before_op`` the chain's ops run again and the re-made
+bytes are copied back into the same storage, so autograd and every view of it see the
+values they saw in forward. No module is wrapped and no graph changes: the user's model
+and loop are untouched, and nothing has to be undone on exit. (PyTorch's
+``torch.utils.checkpoint`` and its selective variant re-run a *module's* forward under
+saved-tensor hooks; a plan's chain is a list of aten ops that need not match a module,
+so the ops themselves are recorded and replayed.)
+
+Recording. While a planned iteration runs forward, each op of a chain is recorded as it
+runs: the op, its arguments with every tensor an earlier op of the chain made replaced
+by a reference to that op's result (those are re-made, never held), the other tensors
+(the chain's inputs: parameters, the block's input) held until the chain has run, and,
+for an op that draws random numbers (``torch.Tag.nondeterministic_seeded``: dropout),
+the CPU and CUDA generator states just before it. A tensor is dropped only if the op
+that made it was recorded; a replay runs what was recorded, in order.
+
+Replay. Under ``torch.no_grad()``, each op runs on the re-made values, with the random
+state it first ran with; the generators' states are put back afterwards, so the
+program's random stream is unchanged. An op that writes one of its arguments in place
+(training-mode BatchNorm's running statistics) writes a copy: the argument is restored
+after the op, so the statistics are updated once per step, as without tierflow (the
+``checkpoint`` and ``selective`` policies model ``torch.utils.checkpoint``, which
+updates them twice; the runtime keeps plain PyTorch's result). Replayed results that are
+not re-made tensors are temporaries, freed when the replay ends.
+
+Correctness first: an op (or autograd unpacking a saved tensor) that needs a dropped
+tensor earlier than planned re-makes its chain on the spot, as a fetch would.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..capture.opflags import writes
+from .errors import OffloadError
+from .storages import RESIDENT, _Entry, _u8
+
+DROPPED = "dropped"
+
+
+@dataclass
+class _Made:
+    """A reference, in a recorded op's arguments, to a result of an earlier op of the
+    chain: result ``leaf`` of recorded op ``step``."""
+
+    step: int
+    leaf: int
+
+
+@dataclass
+class _Chain:
+    """One Recompute of the plan, and what this iteration recorded of it."""
+
+    ops: tuple[int, ...]
+    tensors: tuple[int, ...]
+    before_op: int
+    recipe: list[tuple] = field(default_factory=list)  # (func, args/kwargs spec, rng states)
+    made: dict[int, tuple[int, int, Any]] = field(default_factory=dict)  # id(tensor) -> (step, leaf, weakref)
+    source: dict[int, tuple[int, int]] = field(default_factory=dict)  # tensor id -> (step, leaf)
+    dropped: list[tuple[_Entry, tuple[int, int]]] = field(default_factory=list)  # (entry, its source)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.recipe) == len(self.ops)
+
+    def reset(self) -> None:
+        self.recipe, self.made, self.source, self.dropped = [], {}, {}, []
+
+
+def rng_states(device: torch.device) -> tuple[Any, Any]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_states(states: tuple[Any, Any], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+
+
+class Recomputing:
+    """Recompute chains (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+
+    def _recompute_tables(self, trace: Any, plan: Any) -> None:
+        """Per op: the chains it records for, the tensors dropped after it, the chains
+        re-made before it."""
+        n = trace.n_ops
+        self._chains = [_Chain(tuple(sorted(r.ops)), tuple(r.tensors), r.before_op) for r in plan.recomputes]
+        self._chain_ops: list[tuple[int, ...]] = [()] * n
+        self._drops: list[tuple[tuple[int, int], ...]] = [()] * n
+        self._remakes: list[tuple[int, ...]] = [()] * n
+        chain_ops: dict[int, list[int]] = {}
+        drops: dict[int, list[tuple[int, int]]] = {}
+        remakes: dict[int, list[int]] = {}
+        for c, chain in enumerate(self._chains):
+            for op in chain.ops:
+                chain_ops.setdefault(op, []).append(c)
+            remakes.setdefault(chain.before_op, []).append(c)
+            for tid in chain.tensors:
+                before = [int(u) for u in trace.uses(tid) if u < chain.before_op]
+                if before:
+                    drops.setdefault(max(before), []).append((c, tid))
+        for op, cs in chain_ops.items():
+            self._chain_ops[op] = tuple(cs)
+        for op, ds in drops.items():
+            self._drops[op] = tuple(ds)
+        for op, cs in remakes.items():
+            if 0 <= op < n:
+                self._remakes[op] = tuple(cs)
+        self._dropped_in: dict[int, int] = {}  # storage address -> chain, while dropped
+
+    def _reset_chains(self) -> None:
+        for chain in getattr(self, "_chains", ()):
+            chain.reset()
+        self._dropped_in = {}
+
+    def _record(self, i: int, func, args: tuple, kwargs: dict, out: Any, states: Any) -> None:
+        """Op ``i`` ran forward and belongs to chains: keep what re-running it needs
+        (``states``: the random generators' states just before it, if it draws)."""
+        for c in self._chain_ops[i]:
+            chain = self._chains[c]
+            step = len(chain.recipe)
+            if step >= len(chain.ops) or chain.ops[step] != i:
+                continue  # (a departure: the chain stays incomplete and is not dropped)
+
+            def ref(t: torch.Tensor, chain=chain):
+                hit = chain.made.get(id(t))
+                if hit is not None and hit[2]() is t:
+                    return _Made(hit[0], hit[1])
+                return t  # a chain input: held until the chain has run
+
+            spec = pytree.tree_map_only(torch.Tensor, ref, (args, kwargs))
+            chain.recipe.append((func, spec, states))
+            for k, t in enumerate(pytree.tree_leaves(out)):
+                if isinstance(t, torch.Tensor):
+                    chain.made[id(t)] = (step, k, weakref.ref(t))
+                    e = self._entries.get(t.untyped_storage()._cdata)
+                    tid = self._iter_tid.get(e.cdata) if e is not None else None
+                    if tid is not None and tid in chain.tensors and tid not in chain.source:
+                        chain.source[tid] = (step, k)
+
+    def _drop(self, i: int) -> None:
+        """After op ``i``: free the storages of the chains' tensors whose last forward use
+        it was (only for chains recorded whole)."""
+        for c, tid in self._drops[i]:
+            chain = self._chains[c]
+            e = self._iter_entries[tid] if tid < len(self._iter_entries) else None
+            if e is None or tid not in chain.source:  # (its op was not recorded: keep it)
+                self.stats.skipped_drops += 1
+                continue
+            st = e.ref()
+            if st is None or e.state is not RESIDENT or not e.resizable or e.pins or e.foreign:
+                self.stats.skipped_drops += 1
+                continue
+            if e.arrival is not None:
+                self._copier.wait(e.arrival)
+                e.arrival = None
+            st.resize_(0)
+            e.state = DROPPED
+            self._device_bytes -= e.nbytes
+            self._lru.pop(e.cdata, None)
+            self._dropped_in[e.cdata] = c
+            chain.dropped.append((e, chain.source[tid]))
+            self.stats.dropped_bytes += e.nbytes
+
+    def _remake_before(self, i: int) -> None:
+        for c in self._remakes[i]:
+            if self._chains[c].dropped:
+                self._remake(c)
+
+    def _remake_entry(self, e: _Entry) -> None:
+        """A dropped tensor is needed now (earlier than planned, or unexpectedly)."""
+        c = self._dropped_in.get(e.cdata)
+        if c is None:
+            raise OffloadError(f"{e.label} was dropped for recompute and its chain is gone")
+        self.stats.early_recomputes += 1
+        self._remake(c)
+
+    def _remake(self, c: int) -> None:
+        """Re-run chain ``c`` and put the re-made bytes back in the dropped storages.
+
+        Each re-made tensor is copied into its own storage as soon as the op that makes
+        it has run, and the rest of the chain reads it from there, so the replay holds a
+        second copy of one tensor at a time, and its temporaries only as long as the
+        chain needs them."""
+        chain = self._chains[c]
+        t0 = time.perf_counter()
+        dev = self.device
+        inputs: list[_Entry] = []
+        for x in pytree.tree_leaves([spec for _f, spec, _s in chain.recipe]):
+            # a chain input that is itself away or dropped (another chain's tensor) first
+            if isinstance(x, torch.Tensor) and getattr(x, self._dev_attr) is True:
+                e = self._entries.get(x.untyped_storage()._cdata)
+                if e is not None:
+                    inputs.append(e)
+                    if e.state is not RESIDENT or e.arrival is not None:
+                        self._ensure_resident(e)
+        # (a dropped storage that died since, its graph freed, needs nothing)
+        targets = {src: e for e, src in chain.dropped if e.ref() is not None and e.state is DROPPED}
+        self._make_room(sum(e.nbytes for e in targets.values()), inputs)
+        keep = rng_states(dev)
+        results: list[list[Any]] = []
+        try:
+            with torch.no_grad():
+                for step, (func, spec, states) in enumerate(chain.recipe):
+                    args, kwargs = pytree.tree_map_only(_Made, lambda m: results[m.step][m.leaf], spec)
+                    if states is not None:
+                        _set_rng_states(states, dev)
+                    # what the op writes in place that the chain did not make (a training
+                    # BatchNorm's running statistics, per its schema or opflags): restored
+                    # after, so that update happens once, in forward
+                    written = [w for w in writes(func, args, kwargs)
+                               if not any(w is r for rs in results for r in rs)]
+                    saved = [w.clone() for w in written]
+                    leaves = pytree.tree_leaves(func(*args, **kwargs))
+                    for w, old in zip(written, saved):
+                        w.copy_(old)
+                    del saved, args, kwargs
+                    temp = {}  # the replay's own storages alive now (tracked ones are counted)
+                    for rs in results + [leaves]:
+                        for x in rs:
+                            if isinstance(x, torch.Tensor):
+                                st = x.untyped_storage()
+                                if st._cdata not in self._entries:
+                                    temp[st._cdata] = st.nbytes()
+                    self._iter_peak = max(self._iter_peak, self._device_bytes + sum(temp.values()))
+                    for k, x in enumerate(leaves):
+                        e = targets.get((step, k))
+                        if e is not None:
+                            leaves[k] = self._restore(e, x)
+                    results.append(leaves)
+                    self.stats.recomputed_ops += 1
+        finally:
+            _set_rng_states(keep, dev)
+        chain.dropped = []
+        chain.recipe, chain.made = [], {}  # (the chain's inputs are released here)
+        self.stats.recompute_s += time.perf_counter() - t0
+
+    def _restore(self, e: _Entry, new: torch.Tensor) -> torch.Tensor:
+        """Copy re-made ``new`` into dropped ``e``'s storage; return ``new`` as a view of
+        that storage, for the rest of the chain (``new``'s own bytes are then freed)."""
+        st = e.ref()
+        src = new.untyped_storage()
+        if st is None:
+            return new
+        if src.nbytes() != e.nbytes:
+            raise OffloadError(f"recompute of {e.label}: re-made {src.nbytes()} bytes, it had {e.nbytes}")
+        st.resize_(e.nbytes)
+        _u8(st, e.nbytes).copy_(_u8(src, e.nbytes))
+        e.state = RESIDENT
+        self._device_bytes += e.nbytes
+        self._dropped_in.pop(e.cdata, None)
+        if e.key is not None:
+            self._lru[e.cdata] = e
+        view = torch.empty(0, dtype=new.dtype, device=new.device)
+        return view.set_(st, new.storage_offset(), new.size(), new.stride())
+
+
+__all__ = ["DROPPED", "Recomputing", "rng_states"]
