@@ -66,6 +66,7 @@ from ..trace import Trace
 from ..units import parse_bytes
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
+from .host_step import HostStepping
 from .moves import Moves
 from .optim_chunks import ChunkedStep
 from .profiling import Profiling
@@ -142,7 +143,7 @@ class _Mode(TorchDispatchMode):
             run._quiet = False
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Profiling):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -253,6 +254,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
         self._labelled_states = -1  # len(optimizer.state) when its tensors were last labelled
         self._dropped_in: dict[int, int] = {}  # recompute: dropped storage -> its chain
+        self._host_params: dict[int, Any] = {}  # host steps in force: id(param) -> _HostParam
+        self._host_plan: list = []
+        self._host_skip = self._host_skip_now = None
         self._chunker: ChunkedStep | None = None
         if self.optimizer is not None:
             chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")
@@ -282,6 +286,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
         try:
             self._saved.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
+            if self._host_params:  # the optimizer state back on the device, as the user had it
+                self._host_teardown()
             for h in self._hooks:
                 h.remove()
             if self._chunker is not None:
@@ -346,6 +352,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
         # the lean per-op path (a planned plan, or a reactive one's hints), until the
         # iteration departs from the trace
         self._fast = self._planned or self._hinted
+        self._host_steps_begin()
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -387,6 +394,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
             st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
         else:  # a share budget: the profile iteration that measured the peak ran without one
             st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._iter_peak)
+        if self._host_skip_now is not None and (self._planned or self._hinted) and not self._stale:
+            self._skip_host_ops(self._op)  # (the trace's last ops may be host-stepped ones)
         if self._planned and not self._stale and self._op != self.trace.n_ops:
             self._mark_stale(f"the iteration ran {self._op} ops, the trace has {self.trace.n_ops}")
         want = self._recording and not self._warmup
@@ -483,6 +492,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
         in_iter = self._in_iter
         i = self._op if in_iter else -1
         following = in_iter and self._follows()
+        if following and self._host_skip_now is not None and i < self._n_ops and self._host_skip_now[i]:
+            i = self._skip_host_ops(i)
         if following and (i >= self._n_ops or self._funcs[i] is not func):
             self._mark_stale(f"op {i}: ran {name}, the trace has "
                              + (self.trace.ops[i].name if i < self._n_ops else "the end of the iteration"))
@@ -575,6 +586,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, Profiling):
         names them (by their position in the op, from the profiled iteration), and the
         moves after it come from a per-op table."""
         i = self._op
+        if self._host_skip_now is not None and i < self._n_ops and self._host_skip_now[i]:
+            i = self._skip_host_ops(i)
         if i >= self._n_ops or self._fast_funcs[i] is not func:
             return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
         entries, dev, entry = self._entries, self._dev_attr, self._entry

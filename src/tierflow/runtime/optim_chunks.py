@@ -77,6 +77,8 @@ class ChunkedStep:
         self.cuda = cuda
         self.cap: float | None = None  # bytes per chunk; None: the step runs whole
         self.chunks = 0  # chunk groups in the last chunked step
+        self.exclude: set[int] = set()  # ids of parameters the host steps (runtime.host_step)
+        self.host: Any = None  # their updater: host_update_start() / host_update_finish(task)
         self._inner = None
         self._installed = False
 
@@ -145,11 +147,19 @@ class ChunkedStep:
 
     def _step(self, *args, **kwargs):
         inner = self._inner
-        if not self._installed or self.cap is None:
+        if not self._installed or (self.cap is None and not self.exclude):
             return inner(*args, **kwargs)
+        task = self.host.host_update_start() if self.host is not None else None
+        try:
+            return self._device_step(inner, args, kwargs)
+        finally:
+            if self.host is not None:
+                self.host.host_update_finish(task)
+
+    def _device_step(self, inner, args, kwargs):
         groups = self.opt.param_groups
-        slices = self._slices(self.cap)
-        if all(len(c) == 1 for c in slices):
+        slices = self._slices(self.cap) if self.cap is not None else [[list(range(len(g["params"])))] for g in groups]
+        if all(len(c) == 1 for c in slices) and not self.exclude:
             self.chunks = len(groups)
             return inner(*args, **kwargs)
         chunked, first = [], []
@@ -157,7 +167,7 @@ class ChunkedStep:
             first.append(len(chunked))
             for r in ranges:
                 c = dict(g)
-                c["params"] = [g["params"][k] for k in r]
+                c["params"] = [g["params"][k] for k in r if id(g["params"][k]) not in self.exclude]
                 chunked.append(c)
         self.chunks = len(chunked)
         self.opt.param_groups = chunked

@@ -209,17 +209,12 @@ class Profiling:
         budget = self.budget if math.isfinite(self.budget) else None
         arg = self._policy_arg
         if callable(arg):
-            plan = arg(trace, replace(hw, host_compute=None), self.budget)
+            plan = arg(trace, hw, self.budget)
         else:
             name = arg
             options = dict(self._policy_options)
-            # NOTE: the runtime executes moves and recompute chains; host-side optimizer
-            # steps are not executed yet, so policies plan without the host's compute
-            # (tierflow then weighs keep / move / recompute; the ZeRO policies, which need
-            # it, fall back to the reactive pager and say so in stats.plan_error)
-            plan_hw = replace(hw, host_compute=None)
             try:
-                plan = make_plan(name, trace, plan_hw, budget=budget, **options)
+                plan = make_plan(name, trace, hw, budget=budget, **options)
             except PlanError as e:
                 # The policy cannot plan for this budget (the budget itself is above the
                 # minimum working set: checked above). Training goes on with the reactive
@@ -262,6 +257,7 @@ class Profiling:
         self._out_sizes = [out_sizes for *_, out_sizes in sigs]
         self._bind_in, self._bind_out = _bindings(trace, sigs, {t for r in plan.recomputes for t in r.tensors})
         self._recompute_tables(trace, plan)
+        self._host_step_tables(trace, plan)
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
         self._actions = self._move_table(trace, plan)
         self._has_moves = [bool(a) for a in self._actions]

@@ -50,6 +50,9 @@ class RunStats:
         skipped_drops: planned drops not made (a chain not recorded whole, a tensor the
             runtime could not identify or free); the tensor then stays on the device.
         early_recomputes: chains re-run on demand, before their planned op.
+        host_steps: parameter updates run on the host (summed over steps);
+            host_step_s: seconds of them (gradient copies, the update in the worker
+            thread, the copies back), not all of it on the step's critical path.
         optimizer_chunks: the param-group chunks the profiled optimizer step ran in
             (a foreach or fused optimizer under a budget its whole state exceeds:
             :mod:`tierflow.runtime.optim_chunks`); 0 when the step is not wrapped.
@@ -105,6 +108,8 @@ class RunStats:
     pinned_bytes: int = 0
     optimizer_chunks: int = 0
     recomputed_ops: int = 0
+    host_steps: int = 0
+    host_step_s: float = 0.0
     recompute_s: float = 0.0
     dropped_bytes: int = 0
     skipped_drops: int = 0

@@ -226,6 +226,8 @@ class StorageTracking:
             return
         self._labelled_states = len(self.optimizer.state)
         for p, state in self.optimizer.state.items():
+            if id(p) in self._host_params:  # its state is host memory, not the device's
+                continue
             pn = self._names.get(id(p), f"<param {id(p):x}>")
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
@@ -233,12 +235,19 @@ class StorageTracking:
 
     def _on_grad(self, name: str):
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
-                q, self._quiet = self._quiet, True
-                try:
-                    self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
-                finally:
-                    self._quiet = q
+            if p.grad is None:
+                return
+            host = id(p) in self._host_params
+            if self._fast and not host:  # (following a plan, _bind labels gradients)
+                return
+            q, self._quiet = self._quiet, True
+            try:
+                e = self._entry(p.grad)
+                self._label(e, "gradient", f"grad:{name}", f"{name}.grad")
+                if host:  # updated on the host: the gradient leaves the device now
+                    self._host_grad_ready(p, e)
+            finally:
+                self._quiet = q
         return hook
 
     def _tid(self, e: _Entry) -> int:
