@@ -54,6 +54,7 @@ class _HostParam:
 
     def __init__(self, p: torch.Tensor, name: str, pin: bool):
         self.p, self.name = p, name
+        self.moved: list[str] = []  # state keys moved to the host (to move back)
         with torch._C._DisableTorchDispatch():
             self.master = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
             self.master.copy_(p.detach())
@@ -118,15 +119,22 @@ class HostStepping:
     def _host_setup(self) -> None:
         opt = self.optimizer
         pin = self.device.type == "cuda"
-        with torch._C._DisableTorchDispatch():
-            for name, p in self._host_plan:
+        for name, p in self._host_plan:
+            # NOTE: read below the dispatch mode, so first brought back if the plan moved
+            # it (a storage moved away has no bytes to read)
+            self._make_resident(p)
+            st = opt.state.get(p)
+            # every state tensor on the device (a step counter too: in CPU mode it is one)
+            state = [(k, v) for k, v in (st or {}).items()
+                     if isinstance(v, torch.Tensor) and v.device.type == self.device.type]
+            for _k, v in state:
+                self._make_resident(v)
+            with torch._C._DisableTorchDispatch():
                 hp = _HostParam(p, name, pin)
-                st = opt.state.get(p)
-                if st is not None:
-                    for k, v in list(st.items()):
-                        if isinstance(v, torch.Tensor) and v.device.type == self.device.type and v.dim() > 0:
-                            st[k] = v.to("cpu", copy=True).pin_memory() if pin else v.clone()
-                self._host_params[id(p)] = hp
+                for k, v in state:
+                    st[k] = v.to("cpu", copy=True).pin_memory() if pin else v.clone()
+                    hp.moved.append(k)
+            self._host_params[id(p)] = hp
         if self._chunker is None:  # the step wrapper leaves the host-stepped parameters out
             self._chunker = ChunkedStep(opt, cuda=self.device.type == "cuda")
             self._chunker.install()
@@ -142,9 +150,10 @@ class HostStepping:
             for hp in self._host_params.values():
                 st = opt.state.get(hp.p)
                 if st is not None:
-                    for k, v in list(st.items()):
-                        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() > 0:
-                            st[k] = v.to(self.device, copy=True)
+                    for k in hp.moved or [k for k, v in st.items() if isinstance(v, torch.Tensor)]:
+                        v = st.get(k)
+                        if isinstance(v, torch.Tensor):
+                            st[k] = v.to(self.device, copy=True) if self.device.type == "cuda" else v.clone()
         self._host_params = {}
         self._host_skip_now = None
         if self._chunker is not None:
@@ -190,6 +199,8 @@ class HostStepping:
         return self._host_pool.submit(self._host_update, shadow)
 
     def _make_resident(self, p: torch.Tensor) -> None:
+        if getattr(p, self._dev_attr) is not True:
+            return
         e = self._entries.get(p.untyped_storage()._cdata)
         if e is not None and (e.state is not RESIDENT or e.arrival is not None):
             self._ensure_resident(e)
