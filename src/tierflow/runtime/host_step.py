@@ -172,6 +172,16 @@ class HostStepping:
         """Copy the gradients to the host buffers, start the host update in the worker."""
         if not self._host_params:
             return None
+        # NOTE: this runs in optimizer.step(), outside any op: the fetches and copies below
+        # are the runtime's own, not ops of the iteration (quiet), or the dispatch mode
+        # would make room for them by evicting what is being read
+        q, self._quiet = self._quiet, True
+        try:
+            return self._host_update_start()
+        finally:
+            self._quiet = q
+
+    def _host_update_start(self) -> Future | None:
         t0 = time.perf_counter()
         ready = []
         for hp in self._host_params.values():
@@ -238,6 +248,13 @@ class HostStepping:
         """Wait for the host update; copy the updated parameters back to the device."""
         if task is None:
             return
+        q, self._quiet = self._quiet, True
+        try:
+            self._host_update_finish(task)
+        finally:
+            self._quiet = q
+
+    def _host_update_finish(self, task: Future) -> None:
         worker_s = task.result()
         t0 = time.perf_counter()
         for hp in self._host_params.values():
