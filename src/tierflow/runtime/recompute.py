@@ -144,7 +144,9 @@ class Recomputing:
                 return t  # a chain input: held until the chain has run
 
             spec = pytree.tree_map_only(torch.Tensor, ref, (args, kwargs))
-            chain.recipe.append((func, spec, states))
+            made = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+            chain.recipe.append((func, spec, states, sum(made.values())))
             for k, t in enumerate(pytree.tree_leaves(out)):
                 if isinstance(t, torch.Tensor):
                     chain.made[id(t)] = (step, k, weakref.ref(t))
@@ -201,7 +203,7 @@ class Recomputing:
         t0 = time.perf_counter()
         dev = self.device
         inputs: list[_Entry] = []
-        for x in pytree.tree_leaves([spec for _f, spec, _s in chain.recipe]):
+        for x in pytree.tree_leaves([spec for _f, spec, *_ in chain.recipe]):
             # a chain input that is itself away or dropped (another chain's tensor) first
             if isinstance(x, torch.Tensor) and getattr(x, self._dev_attr) is True:
                 e = self._entries.get(x.untyped_storage()._cdata)
@@ -212,11 +214,23 @@ class Recomputing:
         # (a dropped storage that died since, its graph freed, needs nothing)
         targets = {src: e for e, src in chain.dropped if e.ref() is not None and e.state is DROPPED}
         self._make_room(sum(e.nbytes for e in targets.values()), inputs)
+        # the last step that reads each step's results: they are let go after it
+        last_read = list(range(len(chain.recipe)))
+        for step, (_f, spec, *_r) in enumerate(chain.recipe):
+            for m in pytree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, _Made)):
+                if isinstance(m, _Made):
+                    last_read[m.step] = max(last_read[m.step], step)
         keep = rng_states(dev)
-        results: list[list[Any]] = []
+        results: list[list[Any] | None] = []
+        temp: dict[int, int] = {}  # the replay's own storages alive now (tracked ones are counted)
+        restored: list[_Entry] = []  # re-made so far: later steps may read them, not to be evicted
         try:
             with torch.no_grad():
-                for step, (func, spec, states) in enumerate(chain.recipe):
+                for step, (func, spec, states, out_bytes) in enumerate(chain.recipe):
+                    # room for what this op makes, beside the replay's live temporaries
+                    # (and for the re-made tensors still to come back into their storages)
+                    pending = sum(e.nbytes for e in targets.values()) - sum(e.nbytes for e in restored)
+                    self._make_room(sum(temp.values()) + out_bytes + pending, inputs + restored)
                     args, kwargs = pytree.tree_map_only(_Made, lambda m: results[m.step][m.leaf], spec)
                     if states is not None:
                         _set_rng_states(states, dev)
@@ -224,15 +238,15 @@ class Recomputing:
                     # BatchNorm's running statistics, per its schema or opflags): restored
                     # after, so that update happens once, in forward
                     written = [w for w in writes(func, args, kwargs)
-                               if not any(w is r for rs in results for r in rs)]
+                               if not any(w is r for rs in results for r in rs or ())]
                     saved = [w.clone() for w in written]
                     leaves = pytree.tree_leaves(func(*args, **kwargs))
                     for w, old in zip(written, saved):
                         w.copy_(old)
                     del saved, args, kwargs
-                    temp = {}  # the replay's own storages alive now (tracked ones are counted)
+                    temp = {}
                     for rs in results + [leaves]:
-                        for x in rs:
+                        for x in rs or ():
                             if isinstance(x, torch.Tensor):
                                 st = x.untyped_storage()
                                 if st._cdata not in self._entries:
@@ -242,7 +256,12 @@ class Recomputing:
                         e = targets.get((step, k))
                         if e is not None:
                             leaves[k] = self._restore(e, x)
+                            restored.append(e)
+                    del x
                     results.append(leaves)
+                    for j in range(step + 1):
+                        if last_read[j] == step:
+                            results[j] = None  # (no later step reads them)
                     self.stats.recomputed_ops += 1
         finally:
             _set_rng_states(keep, dev)

@@ -30,7 +30,8 @@ class TrainResult:
         steps: optimizer steps taken.
         losses: the loss of every step (floats).
         parity: ``True``/``False`` when checked against a plain run (losses, every
-            gradient of every step, final parameters, all ``torch.equal``), else None.
+            gradient of every step, final parameters, optimizer state and buffers, all
+            ``torch.equal``), else None.
         parity_detail: the first mismatch, in words.
         plain_step_time_s: mean step time of the plain run (when it ran).
         stats: the runtime's :class:`RunStats`.
@@ -111,7 +112,7 @@ def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=c
     return losses, grads, times
 
 
-def _compare(a_losses, a_grads, b_losses, b_grads, a_model, b_model) -> tuple[bool, str]:
+def _compare(a_losses, a_grads, b_losses, b_grads, a_model, b_model, a_opt=None, b_opt=None) -> tuple[bool, str]:
     for i, (x, y) in enumerate(zip(a_losses, b_losses)):
         if not torch.equal(x, y):
             return False, f"step {i}: loss {x.item()!r} vs {y.item()!r}"
@@ -123,6 +124,17 @@ def _compare(a_losses, a_grads, b_losses, b_grads, a_model, b_model) -> tuple[bo
     for (n, p), q in zip(a_model.named_parameters(), b_model.parameters()):
         if not torch.equal(_plain(p), _plain(q)):  # this rank's shard of a DTensor: no collective
             return False, f"final parameter {n} differs"
+        if a_opt is not None and b_opt is not None:
+            sa, sb = a_opt.state.get(p, {}), b_opt.state.get(q, {})
+            if sorted(sa) != sorted(sb):
+                return False, f"optimizer state of {n}: keys {sorted(sa)} vs {sorted(sb)}"
+            for k, v in sa.items():
+                w = sb[k]
+                if isinstance(v, torch.Tensor) and not torch.equal(_plain(v).cpu(), _plain(w).cpu()):
+                    return False, f"optimizer state {k} of {n} differs"
+    for (n, x), (_, y) in zip(a_model.named_buffers(), b_model.named_buffers()):
+        if not torch.equal(_plain(x), _plain(y)):
+            return False, f"final buffer {n} differs"
     return True, ""
 
 
@@ -215,7 +227,7 @@ def train(
         torch.manual_seed(seed)
         tick0 = None if progress is None else (lambda k, dt: progress("plain", k, steps, dt, 0))
         l0, g0, t0 = _run_steps(m0.model, o0, b0, m0.loss_fn, steps, True, after_step=tick0)
-        plain = (m0, l0, g0)
+        plain = (m0, l0, g0, o0)
         plain_time = sum(t0[1:]) / max(1, len(t0) - 1) if len(t0) > 1 else t0[0]
     m1, o1 = build()
     b1 = m1.make_batch(batch, seq)
@@ -226,7 +238,7 @@ def train(
         l1, g1, _ = _run_steps(m1.model, o1, b1, m1.loss_fn, steps, check_parity, run.untracked, after_step=tick1)
     parity, detail = None, ""
     if plain is not None:
-        parity, detail = _compare(plain[1], plain[2], l1, g1, plain[0].model, m1.model)
+        parity, detail = _compare(plain[1], plain[2], l1, g1, plain[0].model, m1.model, plain[3], o1)
     res = TrainResult(model, batch, device, policy if isinstance(policy, str) else "custom", steps,
                       [float(x) for x in l1], run.stats, parity, detail, plain_time,
                       time.perf_counter() - t_start, strategy, rank, size)
