@@ -159,3 +159,44 @@ def test_an_evaluation_between_steps_begins_no_iteration(base_model):
         assert st.step_times_s[-1] < 0.3  # the evaluation is not the step's
     finally:
         cb.close()
+
+
+def _plain_loop(base, steps, run_kw=None):
+    """A plain PyTorch loop over the Hugging Face GPT-2 (dropout on), optionally under
+    ``tierflow.offload``: losses, final parameters, optimizer state."""
+    import tierflow
+
+    model = copy.deepcopy(base)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(SEED)
+    losses = []
+    ctx = tierflow.offload(model, opt, **run_kw) if run_kw else None
+    run = ctx.__enter__() if ctx else None
+    try:
+        for _ in range(steps):
+            x = torch.randint(0, 128, (8, 16), generator=g)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        if ctx:
+            ctx.__exit__(None, None, None)
+    return model, opt, losses, run
+
+
+def test_hf_gpt2_with_dropout_under_tierflow_at_40pct_is_bitwise(base_model):
+    ref = _plain_loop(base_model, 12)
+    got = _plain_loop(base_model, 12, dict(budget="40%", policy="tierflow"))
+    (ma, oa, la, run), (mb, ob, lb, _) = got, ref
+    assert la == lb
+    for (name, p), q in zip(ma.named_parameters(), mb.parameters()):
+        assert torch.equal(p, q), name
+        for k, v in ob.state[q].items():
+            assert torch.equal(oa.state[p][k], v), (name, k)
+    s = run.stats
+    assert s.policy == "tierflow" and s.plan_error is None and s.planned_steps >= 8
+    assert s.peak_device_bytes <= s.budget_bytes and sum(s.moved_bytes.values()) > 0
