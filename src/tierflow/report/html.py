@@ -361,6 +361,13 @@ def _policy_table(r: Any, m: Any) -> str:
     if m is not None:
         rows.append([_e(f"{m.source} step"), _e(fmt_seconds(m.time_s))])
         rows += [[_e(f"{m.source} peak {t}"), _e(fmt_bytes(v))] for t, v in m.peak_bytes.items()]
+        lv = getattr(m, "levers", {}) or {}
+        if lv.get("recompute_ops"):
+            rows.append([_e(f"{m.source} recompute"), _e(
+                f"{fmt_seconds(lv.get('recompute_s', 0.0))} per step ({lv['recompute_ops']:g} ops re-run)")])
+        if lv.get("host_steps"):
+            rows.append([_e(f"{m.source} optimizer on the host"), _e(
+                f"{fmt_seconds(lv.get('host_step_s', 0.0))} per step ({lv['host_steps']:g} parameters)")])
     return _table(["", ""], rows)
 
 

@@ -159,9 +159,12 @@ def _write_report(path: str, res) -> None:
     if run is None or run.trace is None or run.prediction is None:
         raise TierflowError("--report: the run made no plan to report on (it never profiled an iteration)")
     s = res.stats
+    per = max(1, s.planned_steps)  # the levers act in the iterations that follow the plan
     measured = {run.prediction.policy: Measured(
         time_s=s.step_time_s, peak_bytes={run.hardware.device: int(s.peak_device_bytes)},
         source=f"measured on {res.device}",
+        levers={"recompute_ops": s.recomputed_ops / per, "recompute_s": s.recompute_s / per,
+                "host_steps": s.host_steps / per, "host_step_s": s.host_step_s / per},
     )}
     write_report(path, run.trace, run.hardware, [run.prediction], measured=measured,
                  command=f"tierflow train --model {res.model}")

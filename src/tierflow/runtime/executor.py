@@ -214,6 +214,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._copier = Copier(self.device)
         self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
         self._entries: dict[int, _Entry] = {}
+        self._host_params: dict[int, Any] = {}  # host steps in force: id(param) -> _HostParam
+        self._host_plan: list = []
+        self._host_skip = self._host_skip_now = None
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
         self._by_key: dict[str, _Entry] = {}
         self._dead: deque[int] = deque()
@@ -254,9 +257,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
         self._labelled_states = -1  # len(optimizer.state) when its tensors were last labelled
         self._dropped_in: dict[int, int] = {}  # recompute: dropped storage -> its chain
-        self._host_params: dict[int, Any] = {}  # host steps in force: id(param) -> _HostParam
-        self._host_plan: list = []
-        self._host_skip = self._host_skip_now = None
+
         self._chunker: ChunkedStep | None = None
         if self.optimizer is not None:
             chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")
