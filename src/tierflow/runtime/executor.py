@@ -368,6 +368,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 e = self._by_key.get(key)
                 if e is not None and e.state == RESIDENT and self._evict(e, tier):
                     self.stats.planned_moves += 1
+        self._reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         self._iter_peak = self._device_bytes
         self._budgeted = math.isfinite(self.budget)
         self._t0 = time.perf_counter()
