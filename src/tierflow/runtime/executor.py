@@ -620,7 +620,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         binds = self._bind_in[i]
         if binds is not None and not self._bind(i, binds, ins):
             return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
-        if self._remakes[i]:  # recompute chains due before this op
+        levers = self._levers_at[i]  # (this op re-makes, records for, or drops a chain)
+        if levers and self._remakes[i]:  # recompute chains due before this op
             self._remake_before(i)
         need = away + self._born[i]
         if self._device_bytes + need > self.budget:
@@ -630,7 +631,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 self._ensure_resident(e)
             if e.pins:
                 e.touched = True
-        chains = self._chain_ops[i]
+        chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         out = func(*args, **kwargs)
         outs = []
@@ -653,10 +654,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 self._account_written(written, outs, self._op_labels[i])
         if [e.nbytes for e in outs] != self._out_sizes[i] or self._bind_out[i] is not None:
             self._check_outs(i, outs)
-        if chains and not self._stale:
-            self._record(i, func, args, kwargs, out, states)
-        if self._drops[i] and not self._stale:
-            self._drop(i)
+        if levers and not self._stale:
+            if chains:
+                self._record(i, func, args, kwargs, out, states)
+            if self._drops[i]:
+                self._drop(i)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
             lru = self._lru
             for e in ins + outs:

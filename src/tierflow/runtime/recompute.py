@@ -121,6 +121,7 @@ class Recomputing:
         for op, cs in remakes.items():
             if 0 <= op < n:
                 self._remakes[op] = tuple(cs)
+        self._levers_at = [bool(a or b or c) for a, b, c in zip(self._chain_ops, self._drops, self._remakes)]
         self._dropped_in: dict[int, int] = {}  # storage address -> chain, while dropped
 
     def _reset_chains(self) -> None:
