@@ -1,284 +1,472 @@
-"""One command that checks tierflow's runtime on a real GPU (and, small, on the CPU).
+"""One GPU check: does tierflow tell the truth about memory, train bit for bit like
+PyTorch, keep its budget, and how fast is it next to the tools people use today?
 
-Run on a machine with CUDA (torch preinstalled, no package registry needed)::
+    PYTHONPATH=src python benchmarks/gpu_check.py                  # CUDA when there is one
+    PYTHONPATH=src python benchmarks/gpu_check.py --device cpu     # small models, < 1 min
+    ... [--json gpu_check.json] [--models gpt2-medium:4:512,vit-b16:64] [--quick] [--time-limit 480]
 
-    PYTHONPATH=src python benchmarks/gpu_check.py --json gpu_check.json
+It imports only torch, numpy (through tierflow) and tierflow, so it runs from a source
+tree on a machine without a package registry. Every figure is measured in this run; the
+JSON (``--json``) holds every row, the environment (device name, torch and CUDA
+versions) and the rows a wall-clock guard skipped (``skipped``: a row is skipped, with a
+note, when the longest row of its kind so far would not finish before ``--time-limit``).
 
-and on the CPU, small and fast (the test suite runs this so the script cannot rot)::
+Sections (one table each):
 
-    PYTHONPATH=src python benchmarks/gpu_check.py --device cpu --json gpu_check_cpu.json
+1. **memory truth** -- ``peak_live_bytes`` of the trace ``tierflow.capture`` records on
+   the device (the peak the planner plans against) over the peak PyTorch itself reports
+   for one plain training step (``tierflow.capture.check.torch_step_peak``: on CUDA
+   ``torch.cuda.max_memory_allocated``; on CPU the allocator's events under
+   ``torch.profiler``). A ratio near 1 means the planner sees the memory that is there.
+   This measured plain peak is the *reference peak* of sections 3-4.
+2. **parity** -- ``tierflow.runtime.train(..., check_parity=True)`` at a 50% budget:
+   losses, every gradient of every step and the final parameters compared with
+   ``torch.equal`` against the same model trained in plain PyTorch. Two runs can only
+   match bit for bit if each is reproducible, so on CUDA this section runs under
+   ``torch.use_deterministic_algorithms(True, warn_only=True)`` with the math attention
+   backend (the fused attention backward is not deterministic); ops that warned they
+   have no deterministic kernel are listed in the JSON (``nondeterministic_ops``).
+3. **budget** -- each budgeted tierflow run of section 4: its budget (a share of the
+   reference peak, in bytes) and its peak over the timed steps, all planned: on CUDA
+   ``torch.cuda.max_memory_allocated`` (reset after warm-up), on CPU the peak tierflow
+   accounts (``run.stats.peak_device_bytes_planned``). ``within``: that peak is at most
+   the budget -- the check. ``whole run`` is the same over every step, the warm-up ones
+   included (Adam's first step and the profiled one run reactive; on CUDA also the
+   planner's bandwidth probe): shown, not checked.
+4. **throughput** -- median step time over the timed steps (after warm-up; each step
+   synchronised on CUDA; the mean is in the JSON) of plain PyTorch,
+   ``torch.utils.checkpoint`` around every transformer block / residual stage (put on
+   from outside: each block's ``forward`` is wrapped), ``torch.autograd.graph.save_on_cpu``
+   (pinned on CUDA) around forward and loss, and tierflow with no budget, 50% and 30%
+   of the reference peak. ``x plain`` is step time over plain's. The peers have no
+   budget knob: their peak (measured as in section 1) is shown with whether it fits in
+   50% / 30% of the reference peak. tierflow's peak is as in section 3. On CPU
+   ``save_on_cpu`` moves nothing (activations already live on the host): plain plus
+   its hooks.
+5. **prediction** -- tierflow's predicted step time (``run.stats.predicted_step_time_s``,
+   the simulator on the planned trace) over its measured one (``run.stats.step_time_s``,
+   the runtime's mean over planned steps). Below 1: slower than predicted.
 
-What each section measures, per zoo model (three transformer/vision models: the tiny
-ones on CPU, gpt2-small, bert-base and vit-b16 at moderate batches on CUDA):
-
-1. **Memory truth.** The peak device bytes ``tierflow.capture`` predicts for one
-   training iteration (``trace.peak_live_bytes``) against what the device really held:
-   ``torch.cuda.max_memory_allocated`` over one plain PyTorch step on CUDA; the
-   runtime's accounted peak with no budget on CPU (where there is no allocator to ask).
-2. **Parity.** ``tierflow.runtime.train(..., check_parity=True)`` at 50% of the peak:
-   losses, every gradient and the final parameters ``torch.equal`` to plain PyTorch.
-3. **Budget.** The measured peak of that run against its budget (CUDA:
-   ``torch.cuda.max_memory_allocated`` of the offload run; CPU: the accounted peak).
-4. **Throughput.** Step time of plain PyTorch, ``tierflow.offload`` with no budget, at
-   50% and at 30% of the peak, and of the peers that have no budget knob: every block
-   under ``torch.utils.checkpoint`` and the whole step under
-   ``torch.autograd.graph.save_on_cpu``, with their measured peaks, so the table says
-   whether each fits the 50% and 30% budgets.
-5. **Prediction.** For each tierflow run, the simulator's step time
-   (``stats.predicted_step_time_s``) against the measured one.
-
-How to read the table: ``x plain`` is step time over plain PyTorch's (lower is
-better, 1.00 is free); ``peak`` is in MiB; ``fits`` says whether the peak is within
-the 50%/30% budgets; ``pred/meas`` near 1 means the simulator predicted the step.
-A wall-clock guard (``--time-limit``, 510 s by default) skips the rows left when time
-runs out and says so, so one run stays under 9 minutes on one H100.
+Exit status 0 when every parity holds, every budgeted run stays within its budget
+and no row raised.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import tierflow
+from tierflow.capture import zoo, zoo_trace
+from tierflow.capture.check import torch_step_peak
+from tierflow.errors import TierflowError
+from tierflow.runtime import BudgetError, train
 
-from tierflow.capture import zoo, zoo_trace  # noqa: E402
-from tierflow.runtime import offload, train  # noqa: E402
-
-# (model, batch, seq) per device: small enough that the whole script stays in budget
+# (zoo name, batch, seq). CUDA: sizes whose activations dominate, so that 30% of the peak
+# is above the minimum working set (gpt2-small's logits alone are 31% of its peak) and
+# the whole check stays well under 9 minutes on one H100.
 MODELS = {
-    "cuda": (("gpt2-small", 8, 512), ("bert-base", 16, 256), ("vit-b16", 32, None)),
-    "cpu": (("gpt-tiny", 4, 32), ("bert-tiny", 4, 32), ("vit-tiny", 4, None)),
+    "cuda": [("gpt2-medium", 4, 512), ("bert-large", 8, 256), ("vit-b16", 64, None)],
+    "cpu": [("gpt-tiny", 4, 32), ("bert-tiny", 4, 32), ("vit-tiny", 4, None)],
 }
 SHARES = (0.5, 0.3)
+MiB = 2**20
 
 
-def _sync(dev: torch.device) -> None:
+@dataclass
+class Settings:
+    device: torch.device
+    warmup: int  # plain / peer steps before measuring
+    timed: int  # steps timed per row
+    parity_steps: int
+    max_warm: int = 5  # tierflow: steps at most before the first planned one is done
+
+
+@dataclass
+class Guard:
+    """Runs rows until ``limit_s`` would be overrun; skips the rest with a note. A row
+    that raises is recorded in ``errors`` (traceback on stderr) and the check goes on."""
+
+    limit_s: float
+    start: float = field(default_factory=time.monotonic)
+    longest: dict[str, float] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def run(self, kind: str, label: str, fn: Any) -> Any:
+        need, left = self.longest.get(kind, 0.0), self.limit_s - (time.monotonic() - self.start)
+        if left <= need:
+            self.skipped.append(f"{kind} {label}: skipped ({left:.0f} s left, a {kind} row took {need:.0f} s)")
+            return None
+        t0 = time.monotonic()
+        try:
+            return fn()
+        except Exception as e:  # one failed row (an OOM, a bug) must not lose the others
+            traceback.print_exc()
+            self.errors.append(f"{kind} {label}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            return None
+        finally:
+            self.longest[kind] = max(need, time.monotonic() - t0)
+
+
+def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
-def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a zoo model: the children of its ModuleLists."""
-    return [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+def release(dev: torch.device) -> None:
+    """Between rows: what the last row left is freed and the allocator's peak forgotten."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        # pinned host blocks (tierflow's host pool, save_on_cpu's copies) stay cached by
+        # PyTorch's host allocator after they are freed: give them back too
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def build(name: str, dev: torch.device) -> tuple[zoo.Built, torch.optim.Optimizer]:
+    m = zoo.build(name, device=dev, seed=0)
+    return m, torch.optim.AdamW(m.model.parameters(), lr=1e-3)  # as tierflow.runtime.train
+
+
+def step(m: zoo.Built, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The user's training step, the same for every row."""
+    m.loss_fn(m.model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def timed_steps(m: zoo.Built, opt: torch.optim.Optimizer, x, y, s: Settings) -> dict[str, float]:
+    """Median and mean of ``s.timed`` steps, each synchronised on CUDA (the median: a
+    step that another process on a shared machine slowed down does not move it)."""
+    times = []
+    for _ in range(s.timed):
+        sync(s.device)
+        t0 = time.perf_counter()
+        step(m, opt, x, y)
+        sync(s.device)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times), "step_mean_s": statistics.fmean(times)}
+
+
+# -- the peers, put on from outside the zoo model -------------------------------------
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks (the entries of every ``ModuleList``), else residual stages
+    (``Sequential``s held by a ``Sequential``, ResNet's ``layers``)."""
+    found = [b for mod in model.modules() if isinstance(mod, nn.ModuleList) for b in mod]
+    if not found:
+        found = [c for mod in model.modules() if isinstance(mod, nn.Sequential)
+                 for c in mod.children() if isinstance(c, nn.Sequential)]
+    if not found:
+        raise TierflowError(f"{type(model).__name__}: no blocks or stages to checkpoint")
+    return found
+
+
+def with_checkpoint(m: zoo.Built) -> zoo.Built:
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks_of(m.model):  # an instance attribute shadows the class's forward
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return m
+
+
+def with_save_on_cpu(m: zoo.Built, dev: torch.device) -> zoo.Built:
+    # Pack hooks apply when a tensor is saved (forward and loss); backward unpacks by itself.
+    def hooks():
+        return torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda")
+
+    forward, loss_fn = m.model.forward, m.loss_fn
+
+    def hooked_forward(*args, **kwargs):
+        with hooks():
+            return forward(*args, **kwargs)
+
+    def hooked_loss(out, target):
+        with hooks():
+            return loss_fn(out, target)
+
+    m.model.forward = hooked_forward
+    return m._replace(loss_fn=hooked_loss)
 
 
 @contextlib.contextmanager
-def _checkpointed(model: torch.nn.Module):
-    """Every block's forward under ``torch.utils.checkpoint`` (non-reentrant), applied
-    from outside the model and removed after: what a user would wrap by hand."""
-    from torch.utils.checkpoint import checkpoint
-
-    patched = []
-    for b in _blocks(model):
-        fwd = b.forward
-
-        def wrapped(*a, _f=fwd, **k):
-            return checkpoint(_f, *a, use_reentrant=False, **k)
-
-        b.forward = wrapped
-        patched.append(b)
-    try:
+def deterministic(dev: torch.device, warned: list[str]):
+    """CUDA: deterministic kernels where PyTorch has them (``warn_only``: an op without
+    one warns, and its message lands in ``warned``) and the math attention backend (the
+    fused ones' backward is not deterministic under ``warn_only``)."""
+    if dev.type != "cuda":
         yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.MATH):
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                warned.extend(sorted({str(w.message).splitlines()[0][:160] for w in caught
+                                      if "determinis" in str(w.message)}))
     finally:
-        for b in patched:
-            del b.forward
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
-class _Row:
-    """One way of training one model: step times and peak."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.step_s: float | None = None
-        self.peak: int | None = None
-        self.extra: dict[str, Any] = {}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "step_s": self.step_s, "peak_bytes": self.peak, **self.extra}
-
-
-def _loop(dev, built, x, y, opt, steps: int, warmup: int, ctx=contextlib.nullcontext) -> tuple[float, int]:
-    """Train ``steps`` timed steps after ``warmup``; (mean step seconds, peak bytes of the
-    timed steps on CUDA, else 0)."""
-    model, loss_fn = built.model, built.loss_fn
-
-    def step():
-        with ctx():
-            loss = loss_fn(model(x), y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
-    _sync(dev)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(dev)
-    dt = (time.perf_counter() - t0) / steps
-    return dt, int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else 0
+# -- the rows ---------------------------------------------------------------------------
+def memory_truth(name: str, batch: int, seq: int | None, s: Settings) -> dict[str, Any]:
+    predicted = zoo_trace(name, batch, seq, device=s.device.type).peak_live_bytes
+    release(s.device)
+    m, opt = build(name, s.device)
+    x, y = m.make_batch(batch, seq)
+    measured = int(torch_step_peak(m.model, x, y, m.loss_fn, opt, warmup=s.warmup)["peak_bytes"])
+    return {"model": name, "batch": batch, "seq": seq, "predicted_peak_bytes": int(predicted),
+            "measured_peak_bytes": measured, "ratio": predicted / measured,
+            "measured_by": "torch.cuda.max_memory_allocated" if s.device.type == "cuda"
+            else "torch.profiler allocator events"}
 
 
-def _fresh(name: str, dev: torch.device, batch: int, seq: int | None):
-    built = zoo.build(name, device=dev.type, seed=0)
-    x, y = built.make_batch(batch, seq)
-    opt = torch.optim.AdamW(built.model.parameters(), lr=1e-4)
-    return built, x, y, opt
+def parity(name: str, batch: int, seq: int | None, s: Settings, host_bytes: int) -> dict[str, Any]:
+    warned: list[str] = []
+    with deterministic(s.device, warned):
+        res = train(name, batch=batch, seq=seq, budget="50%", steps=s.parity_steps, device=s.device.type,
+                    check_parity=True, host_bytes=host_bytes)
+    st = res.stats
+    row = {"model": name, "batch": batch, "seq": seq, "steps": res.steps, "budget_bytes": int(st.budget_bytes),
+           "parity": res.parity, "detail": res.parity_detail, "policy": st.policy,
+           "planned_steps": st.planned_steps, "moved_bytes": int(sum(st.moved_bytes.values())),
+           "plan_error": st.plan_error, "deterministic_algorithms": s.device.type == "cuda",
+           "nondeterministic_ops": warned}
+    del res  # it holds both models
+    return row
 
 
-def _free(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+def peer_row(name: str, batch: int, seq: int | None, config: str, s: Settings) -> dict[str, Any]:
+    m, opt = build(name, s.device)
+    if config == "checkpoint":
+        m = with_checkpoint(m)
+    elif config == "save_on_cpu":
+        m = with_save_on_cpu(m, s.device)
+    x, y = m.make_batch(batch, seq)
+    peak = int(torch_step_peak(m.model, x, y, m.loss_fn, opt, warmup=s.warmup)["peak_bytes"])
+    return {"model": name, "config": config, "budget_share": None, "budget_bytes": None,
+            **timed_steps(m, opt, x, y, s), "peak_bytes": peak,
+            "peak_by": "max_memory_allocated" if s.device.type == "cuda" else "profiler"}
 
 
-def check_model(name: str, batch: int, seq: int | None, dev: torch.device, steps: int, warmup: int,
-                deadline: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": name, "batch": batch, "seq": seq}
-    # 1. memory truth
-    trace = zoo_trace(name, batch=batch, seq=seq, device=dev.type)
-    predicted = int(trace.peak_live_bytes)
-    del trace
-    built, x, y, opt = _fresh(name, dev, batch, seq)
-    plain_s, plain_peak = _loop(dev, built, x, y, opt, steps, warmup)
-    if dev.type != "cuda":  # no allocator to ask: the runtime's accounted peak, no budget
-        with offload(built.model, opt) as run:
-            _loop(dev, built, x, y, opt, 2, 1)
-        plain_peak = run.stats.peak_device_bytes
-    out["memory"] = {"captured_peak_bytes": predicted, "measured_peak_bytes": plain_peak,
-                     "ratio": predicted / plain_peak if plain_peak else None,
-                     "measured_by": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else "runtime accounting"}
-    rows = [_Row("plain")]
-    rows[0].step_s, rows[0].peak = plain_s, plain_peak
-    del built, x, y, opt
-    _free(dev)
+def tierflow_row(name: str, batch: int, seq: int | None, share: float | None, ref_peak: int, s: Settings,
+                 host_bytes: int) -> dict[str, Any]:
+    m, opt = build(name, s.device)
+    x, y = m.make_batch(batch, seq)
+    budget = None if share is None else int(share * ref_peak)
+    row: dict[str, Any] = {"model": name, "config": "tierflow", "budget_share": share, "budget_bytes": budget}
+    cuda = s.device.type == "cuda"
+    try:
+        with tierflow.offload(m.model, opt, budget=budget, policy="tierflow", host_bytes=host_bytes) as run:
+            warm = 0  # Adam's first step, the profiled one, then one planned step
+            while run.stats.planned_steps < 1 and warm < s.max_warm:
+                step(m, opt, x, y)
+                warm += 1
+            # the warm-up steps' peak (profile, planning's own probe, first planned step),
+            # then the timed steps' alone (Run.__enter__ reset the allocator's peak)
+            warm_peak = torch.cuda.max_memory_allocated(s.device) if cuda else None
+            release(s.device)
+            row.update(timed_steps(m, opt, x, y, s))
+            timed_peak = torch.cuda.max_memory_allocated(s.device) if cuda else None
+    except BudgetError as e:  # below the minimum working set: no schedule fits, a finding, not a failure
+        return {**row, "error": f"{type(e).__name__}: {e}"}
+    st = run.stats
+    # CPU: the runtime's accounted peak; over planned steps (as the CUDA figure is over
+    # the timed ones) and over the whole run (the reactive profile steps included)
+    row.update(peak_bytes=timed_peak if cuda else st.peak_device_bytes_planned,
+               whole_run_peak_bytes=max(warm_peak, timed_peak) if cuda else st.peak_device_bytes,
+               peak_by="max_memory_allocated" if cuda else "accounted",
+               accounted_peak_bytes=st.peak_device_bytes, accounted_peak_planned_bytes=st.peak_device_bytes_planned,
+               cuda_max_allocated=timed_peak, cuda_max_allocated_warmup=warm_peak,
+               stats_step_time_s=st.step_time_s, predicted_step_time_s=st.predicted_step_time_s,
+               policy=st.policy, plan_error=st.plan_error, warm_steps=warm, planned_steps=st.planned_steps,
+               moved_bytes=int(sum(st.moved_bytes.values())), stalls=st.stalls)
+    return row
 
-    # 2-3. parity and the budget
-    res = train(name, batch=batch, seq=seq, budget="50%", steps=max(steps, 4), device=dev.type, check_parity=True)
-    s = res.stats
-    measured = s.cuda_max_allocated if dev.type == "cuda" else s.peak_device_bytes
-    out["parity"] = {"budget": "50%", "parity": res.parity, "detail": res.parity_detail,
-                     "budget_bytes": int(s.budget_bytes), "peak_bytes": measured,
-                     "within_budget": measured is not None and measured <= s.budget_bytes}
-    _free(dev)
 
-    # 4-5. throughput and prediction
-    for label, budget in (("tierflow, no budget", None), ("tierflow 50%", "50%"), ("tierflow 30%", "30%")):
-        if time.monotonic() > deadline:
-            out.setdefault("skipped", []).append(label)
+# -- output -----------------------------------------------------------------------------
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:,.1f}"
+
+
+def ms(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e3:,.2f}"
+
+
+def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for i, r in enumerate(cells):
+        print("  " + "  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def share_label(share: float | None) -> str:
+    return "none" if share is None else f"{share:.0%}"
+
+
+def report(out: dict[str, Any]) -> None:
+    env = out["environment"]
+    print(f"tierflow GPU check on {env['device_name']} ({env['device']}), torch {env['torch']}, "
+          f"CUDA {env['cuda']}, {out['wall_s']:.0f} s")
+    print_table("1. memory truth: capture's predicted peak vs PyTorch's measured peak (MiB)",
+                ["model", "batch", "seq", "predicted", "measured", "ratio"],
+                [[r["model"], r["batch"], r["seq"] or "-", mib(r["predicted_peak_bytes"]),
+                  mib(r["measured_peak_bytes"]), f"{r['ratio']:.3f}"] for r in out["memory_truth"]])
+    print_table("2. parity with plain PyTorch at a 50% budget (losses, gradients, parameters bitwise)",
+                ["model", "steps", "policy", "moved MiB", "parity", "detail"],
+                [[r["model"], r["steps"], r["policy"], mib(r["moved_bytes"]), r["parity"], r["detail"] or "-"]
+                 for r in out["parity"]])
+    print_table("3. tierflow's peak under its budget (MiB): timed steps (checked), whole run incl. profiling",
+                ["model", "budget", "budget MiB", "peak", "within", "whole run", "within", "peak by"],
+                [[r["model"], share_label(r["budget_share"]), mib(r["budget_bytes"]), mib(r["peak_bytes"]), r["within"],
+                  mib(r["whole_run_peak_bytes"]), r["within_whole_run"], r["peak_by"]] for r in out["budget"]])
+    rows = []
+    for r in out["throughput"]:
+        label = r["config"] + ("" if r["config"] != "tierflow" else f" {share_label(r['budget_share'])}")
+        if "error" in r:
+            rows.append([r["model"], label, "-", "-", "-", "-", "-", r["error"][:60]])
             continue
-        built, x, y, opt = _fresh(name, dev, batch, seq)
-        row = _Row(label)
-        with offload(built.model, opt, budget=budget) as run:
-            _loop(dev, built, x, y, opt, 1, 3)  # warm-up, profile, first planned step
-            row.step_s, _ = _loop(dev, built, x, y, opt, steps, 0)
-        st = run.stats
-        row.peak = st.cuda_max_allocated if dev.type == "cuda" else st.peak_device_bytes
-        row.extra = {"budget_bytes": None if budget is None else int(st.budget_bytes),
-                     "predicted_step_s": st.predicted_step_time_s, "measured_step_s": st.step_time_s,
-                     "policy": st.policy, "moved_bytes": dict(st.moved_bytes), "stalls": st.stalls,
-                     "blocking_waits": dict(st.blocking_waits), "optimizer_chunks": st.optimizer_chunks}
-        rows.append(row)
-        del built, x, y, opt, run
-        _free(dev)
-    for label in ("checkpoint (every block)", "save_on_cpu"):
-        if time.monotonic() > deadline:
-            out.setdefault("skipped", []).append(label)
-            continue
-        built, x, y, opt = _fresh(name, dev, batch, seq)
-        row = _Row(label)
-        if label.startswith("checkpoint"):
-            with _checkpointed(built.model):
-                row.step_s, row.peak = _loop(dev, built, x, y, opt, steps, warmup)
-        else:
-            def ctx():
-                return torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda")
-            row.step_s, row.peak = _loop(dev, built, x, y, opt, steps, warmup, ctx)
-        if dev.type != "cuda":
-            row.peak = None  # (no allocator on CPU: their peaks are not measured here)
-        rows.append(row)
-        del built, x, y, opt
-        _free(dev)
-    for r in rows:
-        r.extra["x_plain"] = r.step_s / plain_s if r.step_s and plain_s else None
-        if r.peak is not None and plain_peak:
-            r.extra["fits"] = {f"{int(sh * 100)}%": r.peak <= sh * plain_peak for sh in SHARES}
-    out["rows"] = [r.to_dict() for r in rows]
+        fits = [("yes" if r["peak_bytes"] <= b else "no") if (r["budget_share"] is None or r["budget_share"] == sh)
+                else "" for sh, b in zip(SHARES, r["fits_budgets_bytes"])]
+        rows.append([r["model"], label, ms(r["step_s"]), f"{r['x_plain']:.2f}" if r.get("x_plain") else "-",
+                     mib(r["peak_bytes"]), *fits, r["peak_by"]])
+    print_table("4. throughput: median step time, peak (MiB) and whether it fits 50% / 30% of the reference peak",
+                ["model", "run", "step ms", "x plain", "peak", "fits 50%", "fits 30%", "peak by"], rows)
+    print_table("5. tierflow's predicted vs measured step time",
+                ["model", "budget", "predicted ms", "measured ms", "predicted/measured"],
+                [[r["model"], share_label(r["budget_share"]), ms(r["predicted_step_time_s"]),
+                  ms(r["measured_step_time_s"]), f"{r['ratio']:.3f}" if r["ratio"] else "-"]
+                 for r in out["prediction"]])
+    for note in out["skipped"]:
+        print(f"skipped: {note}")
+    for note in out["errors"]:
+        print(f"error: {note}")
+    print("\nall parity exact and every budget kept" if out["ok"] else "\nFAILED: a parity, a budget or a row failed")
+
+
+def environment(dev: torch.device) -> dict[str, Any]:
+    env = {"device": dev.type, "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "tierflow": tierflow.__version__, "device_name": platform.processor() or platform.machine()}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        env.update(device_name=props.name, device_memory_bytes=props.total_memory,
+                   cudnn=torch.backends.cudnn.version(), cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    return env
+
+
+def parse_models(text: str) -> list[tuple[str, int, int | None]]:
+    """``name[:batch[:seq]]`` separated by commas (zoo defaults for what is left out)."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, *rest = item.split(":")
+        spec = zoo.spec(name)
+        batch = int(rest[0]) if rest else spec.batch
+        out.append((name, batch, int(rest[1]) if len(rest) > 1 else spec.seq))
     return out
 
 
-def _table(results: list[dict[str, Any]]) -> str:
-    mib = 1 << 20
-    lines = []
-    for m in results:
-        mem, par = m["memory"], m["parity"]
-        lines.append(f"\n{m['model']} b{m['batch']}{' s' + str(m['seq']) if m['seq'] else ''}: captured peak "
-                     f"{mem['captured_peak_bytes'] / mib:.1f} MiB vs measured {mem['measured_peak_bytes'] / mib:.1f} MiB "
-                     f"({mem['ratio']:.3f}); parity at 50%: {par['parity']}; peak {par['peak_bytes'] / mib:.1f} MiB "
-                     f"of a {par['budget_bytes'] / mib:.1f} MiB budget ({'within' if par['within_budget'] else 'OVER'})")
-        lines.append(f"  {'run':<26} {'step ms':>9} {'x plain':>8} {'peak MiB':>9} {'fits 50%/30%':>13} {'pred/meas':>10}")
-        for r in m["rows"]:
-            fits = r.get("fits")
-            f = "/".join("yes" if v else "no" for v in fits.values()) if fits else "-"
-            pm = (f"{r['predicted_step_s'] / r['measured_step_s']:.2f}"
-                  if r.get("predicted_step_s") and r.get("measured_step_s") else "-")
-            peak = f"{r['peak_bytes'] / mib:.1f}" if r["peak_bytes"] is not None else "-"
-            lines.append(f"  {r['name']:<26} {r['step_s'] * 1e3:>9.2f} {r['x_plain']:>8.2f} {peak:>9} {f:>13} {pm:>10}")
-        if m.get("skipped"):
-            lines.append(f"  skipped (time limit): {', '.join(m['skipped'])}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--models", default=None, help="comma-separated zoo names (default: three per device)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per row (default 10 on CUDA, 2 on CPU)")
-    ap.add_argument("--time-limit", type=float, default=510.0, help="seconds; later rows are skipped (default 510)")
-    ap.add_argument("--json", default="gpu_check.json")
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default="gpu_check.json", help="where to write every row (default gpu_check.json)")
+    ap.add_argument("--models", help="name[:batch[:seq]],... (default: three per device)")
+    ap.add_argument("--quick", action="store_true", help="the first model only, fewer steps")
+    ap.add_argument("--steps", type=int, help="timed steps per row (default: cuda 8, cpu 5)")
+    ap.add_argument("--time-limit", type=float, default=480.0, help="seconds; later rows are skipped, with a note")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: CUDA is not available here (use --device cpu)")
-    start = time.monotonic()
-    deadline = start + args.time_limit
-    steps = args.steps or (10 if dev.type == "cuda" else 2)
-    models = MODELS[dev.type]
-    if args.models:
-        want = args.models.split(",")
-        models = tuple((n, zoo.spec(n).batch, zoo.spec(n).seq) for n in want)
-    info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "threads": torch.get_num_threads()}
-    results = []
-    for name, batch, seq in models:
-        if time.monotonic() > deadline:
-            results.append({"model": name, "skipped": "time limit"})
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: CUDA is not available")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic matmul
+        dev = torch.device("cuda", torch.cuda.current_device())
+    cuda = dev.type == "cuda"
+    s = Settings(dev, warmup=2, timed=args.steps or (8 if cuda else 5), parity_steps=4)
+    models = parse_models(args.models) if args.models else MODELS[dev.type]
+    if args.quick:
+        models, s.timed = models[:1], min(s.timed, 4 if cuda else 2)
+    guard, t0 = Guard(args.time_limit), time.perf_counter()
+    truth, par, runs = [], [], []
+
+    for name, batch, seq in models:  # 1: also the reference peak of sections 3-4
+        row = guard.run("memory_truth", name, functools.partial(memory_truth, name, batch, seq, s))
+        release(dev)
+        if row is not None:
+            truth.append(row)
+    ref = {r["model"]: r["measured_peak_bytes"] for r in truth}
+    # tierflow's pinned host pool: room for the whole peak twice (the default, sized from
+    # the model state, pins several times more and takes seconds to allocate)
+    host = {n: 2 * p + 64 * MiB for n, p in ref.items()}
+    for name, batch, seq in models:  # 2
+        if name in ref and (row := guard.run("parity", name, functools.partial(parity, name, batch, seq, s, host[name]))):
+            par.append(row)
+        release(dev)
+    for name, batch, seq in models:  # 4 (and 3, 5)
+        if name not in ref:
             continue
-        results.append(check_model(name, batch, seq, dev, steps, 2, deadline))
-    done = [r for r in results if "rows" in r]
-    out = {"machine": info, "wall_s": time.monotonic() - start, "results": results,
-           "all_parity": all(r["parity"]["parity"] for r in done),
-           "all_within_budget": all(r["parity"]["within_budget"] for r in done)}
-    print(f"tierflow gpu_check on {info['device']} (torch {info['torch']}, CUDA {info['cuda']})")
-    print(_table(done))
-    print(f"\nparity everywhere: {out['all_parity']}; every peak within its budget: {out['all_within_budget']}; "
-          f"{out['wall_s']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+        for config in ("plain", "checkpoint", "save_on_cpu"):
+            if row := guard.run("peer", f"{name} {config}", functools.partial(peer_row, name, batch, seq, config, s)):
+                runs.append(row)
+            release(dev)
+        for share in (None, *SHARES):
+            if row := guard.run("tierflow", f"{name} {share_label(share)}",
+                                functools.partial(tierflow_row, name, batch, seq, share, ref[name], s, host[name])):
+                runs.append(row)
+            release(dev)
+
+    plain = {r["model"]: r["step_s"] for r in runs if r["config"] == "plain"}
+    for r in runs:
+        r["fits_budgets_bytes"] = [int(sh * ref[r["model"]]) for sh in SHARES]
+        if "step_s" in r and r["model"] in plain:
+            r["x_plain"] = r["step_s"] / plain[r["model"]]
+    tf = [r for r in runs if r["config"] == "tierflow" and "error" not in r]
+    budget = [{k: r[k] for k in ("model", "budget_share", "budget_bytes", "peak_bytes", "peak_by", "whole_run_peak_bytes",
+                                 "accounted_peak_bytes", "accounted_peak_planned_bytes", "cuda_max_allocated",
+                                 "cuda_max_allocated_warmup")}
+              | {"within": r["peak_bytes"] <= r["budget_bytes"],
+                 "within_whole_run": r["whole_run_peak_bytes"] <= r["budget_bytes"]}
+              for r in tf if r["budget_bytes"] is not None]
+    prediction = [{"model": r["model"], "budget_share": r["budget_share"],
+                   "predicted_step_time_s": r["predicted_step_time_s"], "measured_step_time_s": r["stats_step_time_s"],
+                   "ratio": (r["predicted_step_time_s"] / r["stats_step_time_s"])
+                   if r["predicted_step_time_s"] and r["stats_step_time_s"] else None} for r in tf]
+    ok = bool(par) and all(r["parity"] for r in par) and all(r["within"] for r in budget) and not guard.errors
+    out = {"environment": environment(dev), "settings": {"models": models, "shares": SHARES, "timed_steps": s.timed,
+           "warmup": s.warmup, "parity_steps": s.parity_steps, "time_limit_s": args.time_limit},
+           "memory_truth": truth, "parity": par, "budget": budget, "throughput": runs, "prediction": prediction,
+           "skipped": guard.skipped, "errors": guard.errors, "wall_s": time.perf_counter() - t0, "ok": ok}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    report(out)
+    print(f"wrote {args.json}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -160,3 +160,18 @@ def test_train_accepts_the_multi_tensor_optimizers():
     res = train("gpt-tiny", budget="30%", steps=5, optimizer="sgd-foreach", check_parity=True)
     assert res.parity, res.parity_detail
     assert res.stats.optimizer_chunks > 1
+
+
+def test_a_byte_budget_chunks_the_first_step_too():
+    """A budget in bytes is known before the first step, which makes the optimizer's
+    state: that step is chunked too, and stays within the budget."""
+    m = zoo.build("gpt-tiny", seed=0)
+    x, y = m.make_batch(4)
+    opt = OPTIMIZERS["adamw-foreach"](m.model.parameters())
+    with offload(m.model, opt, budget="2.5MiB") as run:
+        for _ in range(4):
+            m.loss_fn(m.model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    s = run.stats
+    assert run._chunker.cap is not None and s.peak_device_bytes <= s.budget_bytes
