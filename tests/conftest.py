@@ -23,3 +23,15 @@ def g10_dir() -> Path:
     if not G10_DIR.exists():
         pytest.skip(f"G10 workloads not found at {G10_DIR}")
     return G10_DIR
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a test module (tiny models: more threads only add contention
+    and make timing noisy on a shared box); the setting is restored after."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -191,3 +191,21 @@ def pick_recomputes(draw, trace: Trace) -> list:
         dropped.update(r.tensors)
         read |= reads
     return chosen
+
+
+def assert_training_equal(a, b) -> None:
+    """Two training runs, each ``(model, optimizer, losses, grads, ...)`` (``grads``: per
+    step, every parameter's gradient): the same losses, gradients of every step, final
+    parameters, optimizer state and buffers, all ``torch.equal``."""
+    import torch
+
+    (ma, oa, la, ga, *_), (mb, ob, lb, gb, *_) = a, b
+    assert la == lb
+    for sa, sb in zip(ga, gb):
+        assert all(torch.equal(p, q) for p, q in zip(sa, sb))
+    for p, q in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(p, q)
+        for k, v in ob.state[q].items():
+            assert torch.equal(oa.state[p][k], v), k
+    for (name, x), (_, y) in zip(ma.named_buffers(), mb.named_buffers()):
+        assert torch.equal(x, y), name

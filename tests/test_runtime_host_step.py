@@ -19,12 +19,7 @@ MODELS = ("gpt-tiny", "bert-tiny", "vit-tiny", "resnet-tiny")
 ZERO = {"reduce_bucket_size": 20000}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 @pytest.mark.parametrize("policy", ["zero_offload", "zero_offload+checkpoint"])

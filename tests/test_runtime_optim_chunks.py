@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import assert_training_equal
 from tierflow.capture import zoo
 from tierflow.runtime import BudgetError, offload, train
 
@@ -17,12 +18,7 @@ OPTIMIZERS = {
 STEPS = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def _train(make_opt, budget=None, steps=STEPS, sched=False, **kw):
@@ -58,14 +54,7 @@ def _train(make_opt, budget=None, steps=STEPS, sched=False, **kw):
 
 
 def _assert_same(a, b):
-    (ma, oa, la, ga, *_), (mb, ob, lb, gb, *_) = a, b
-    assert la == lb
-    for step_a, step_b in zip(ga, gb):
-        assert all(torch.equal(p, q) for p, q in zip(step_a, step_b))
-    for p, q in zip(ma.parameters(), mb.parameters()):
-        assert torch.equal(p, q)
-        for k, v in ob.state[q].items():
-            assert torch.equal(oa.state[p][k], v), k
+    assert_training_equal(a, b)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

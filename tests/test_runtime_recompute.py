@@ -8,17 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import assert_training_equal
 from tierflow.runtime import offload, train
 
 MODELS = ("gpt-tiny", "bert-tiny", "vit-tiny", "resnet-tiny")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 @pytest.mark.parametrize("policy", ["checkpoint", "selective"])
@@ -88,16 +84,7 @@ def _dropnorm_run(steps, budget=None, policy=None, **kw):
 
 
 def _assert_bitwise(a, b):
-    (na, oa, la, ga, _), (nb, ob, lb, gb, _) = a, b
-    assert la == lb
-    for sa, sb in zip(ga, gb):
-        assert all(torch.equal(p, q) for p, q in zip(sa, sb))
-    for p, q in zip(na.parameters(), nb.parameters()):
-        assert torch.equal(p, q)
-        for k, v in ob.state[q].items():
-            assert torch.equal(oa.state[p][k], v), k
-    for (name, x), (_, y) in zip(na.named_buffers(), nb.named_buffers()):
-        assert torch.equal(x, y), name  # BatchNorm's running statistics: updated once per step
+    assert_training_equal(a, b)  # (BatchNorm's running statistics: updated once per step)
 
 
 def test_dropout_and_batchnorm_under_checkpoint_at_a_budget():

@@ -6,18 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from tierflow.runtime import roundtrip_plan, train
 from tierflow.runtime.tiers import SSDStore
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def _host_only(trace, hw, budget):
