@@ -56,6 +56,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.nn import Parameter
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -74,7 +76,6 @@ from .recompute import DROPPED, Recomputing, rng_states
 from .stats import RunStats
 from .storages import (
     _PLAIN,
-    _WRITES,
     RESIDENT,
     StorageTracking,
     _Entry,
@@ -84,6 +85,7 @@ from .storages import (
     _storage_bytes,
     _unwrap,
     _written_args,
+    _written_at,
 )
 from .streams import Copier
 from .tiers import HostPool, SSDStore
@@ -603,10 +605,15 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             self._reap()
         if self._pending:
             self._issue_pending()
+        # NOTE: the loops below are written out, not shared helpers: they run for every
+        # op, and in CPython a call and a list per op cost as much as the work itself
         ins = []
         away = 0
-        for t in _leaves(args) + _leaves(list(kwargs.values())) if kwargs else _leaves(args):
-            if getattr(t, dev) is not True:  # is_cpu / is_cuda: cheaper than t.device
+        fix = False  # an input is away, arriving, or pinned by a collective
+        # (flat: the schema has no tensor lists and no keyword-only tensors, so the
+        # tensors are plain positional arguments)
+        for t in args if self._flat_args[i] else _leaves(args) + _leaves(list(kwargs.values())):
+            if not isinstance(t, Tensor) or getattr(t, dev) is not True:  # (is_cpu / is_cuda)
                 continue
             try:
                 e = entries.get(t.untyped_storage()._cdata)
@@ -617,25 +624,32 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             ins.append(e)
             if e.state is not RESIDENT:
                 away += e.nbytes
+                fix = True
+            elif e.arrival is not None or e.pins:
+                fix = True
         binds = self._bind_in[i]
         if binds is not None and not self._bind(i, binds, ins):
             return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
         levers = self._levers_at[i]  # (this op re-makes, records for, or drops a chain)
         if levers and self._remakes[i]:  # recompute chains due before this op
             self._remake_before(i)
+            fix = True  # (a chain's replay may have moved an input)
         need = away + self._born[i]
         if self._device_bytes + need > self.budget:
             self._make_room(need, ins)
-        for e in ins:
-            if e.state is not RESIDENT or e.arrival is not None:
-                self._ensure_resident(e)
-            if e.pins:
-                e.touched = True
+        if fix:
+            for e in ins:
+                if e.state is not RESIDENT or e.arrival is not None:
+                    self._ensure_resident(e)
+                if e.pins:
+                    e.touched = True
         chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         out = func(*args, **kwargs)
         outs = []
-        for t in _leaves(out):
+        sizes = self._out_sizes[i]
+        same = True  # the results have the trace's sizes so far
+        for t in (out,) if out.__class__ is Tensor else _leaves(out):
             if getattr(t, dev) is not True:
                 continue
             try:
@@ -647,12 +661,29 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 e = self._new_entry(st, st._cdata, self._op_labels[i])
             elif e.ref() is None:  # (a new storage at the address of one that died in the op)
                 e = entry(t, self._op_labels[i])
+            k = len(outs)
+            if same and (k >= len(sizes) or sizes[k] != e.nbytes):
+                same = False
             outs.append(e)
-        if _WRITES.get(func) != ():  # (most ops write no argument: skip the call)
-            written = _written_args(func, args, kwargs)
-            if written:
-                self._account_written(written, outs, self._op_labels[i])
-        if [e.nbytes for e in outs] != self._out_sizes[i] or self._bind_out[i] is not None:
+        spots = self._write_spots[i]
+        if spots:  # (most ops write no argument; in place ones write one, ``self``)
+            k0 = len(outs)
+            v = args[spots[0][0]] if len(spots) == 1 and spots[0][0] < len(args) else None
+            if (v.__class__ is Tensor or v.__class__ is Parameter) and getattr(v, dev) is True:
+                e = entries.get(v.untyped_storage()._cdata)
+                if e is None or e.ref() is None:
+                    e = entry(v, self._op_labels[i])
+                outs.append(e)
+                if e.state is RESIDENT and e.ref().nbytes() != e.nbytes:  # (resized by the op)
+                    self._resized(e)
+            else:
+                written = _written_at(spots, args, kwargs)
+                if written:
+                    self._account_written(written, outs, self._op_labels[i])
+            for k in range(k0, len(outs)):  # (the trace's results include what it wrote)
+                if k >= len(sizes) or sizes[k] != outs[k].nbytes:
+                    same = False
+        if not same or len(outs) != len(sizes) or self._bind_out[i] is not None:
             self._check_outs(i, outs)
         if levers and not self._stale:
             if chains:
@@ -682,10 +713,16 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             outs.append(e)
             st = e.ref()
             if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
-                self._device_bytes += st.nbytes() - e.nbytes
-                grown += max(0, st.nbytes() - e.nbytes)
-                e.top = max(e.top, e.nbytes)
-                e.nbytes = st.nbytes()
+                grown += self._resized(e)
+        return grown
+
+    def _resized(self, e: _Entry) -> int:
+        """Account a resident storage an op resized; the bytes it grew by."""
+        n = e.ref().nbytes()
+        self._device_bytes += n - e.nbytes
+        grown = max(0, n - e.nbytes)
+        e.top = max(e.top, e.nbytes)
+        e.nbytes = n
         return grown
 
     def _phase(self) -> str:

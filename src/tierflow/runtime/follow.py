@@ -33,9 +33,15 @@ class PlanFollowing:
                 done = self._evict(e, tier, slot)
             elif e.state is RESIDENT or e in self._pending:
                 done = False
-            elif hints:  # a UVM-style prefetch hint makes room, like a fault
-                self._make_room(e.nbytes, [])
+            elif hints and self._device_bytes + e.nbytes <= self.budget:
                 done = self._prefetch(e)
+            elif hints:
+                # NOTE: a UVM-style prefetch hint makes room, like a fault, but not yet:
+                # what op ``op`` read for the last time is freed only after it returns
+                # (autograd releases a node's inputs after its kernel), so room made now
+                # would evict what the plan keeps. It waits for the next op's start.
+                self._pending.append(e)
+                continue
             else:  # a planned prefetch never evicts: it waits for room (as simulated)
                 self._pending.append(e)
                 continue
@@ -43,7 +49,7 @@ class PlanFollowing:
                 stats.planned_moves += 1
             else:
                 stats.skipped_moves += 1
-        if self._pending:
+        if self._pending and not hints:
             self._issue_pending()
 
     def _move_table(self, trace: Trace, plan: Any) -> list[tuple]:
@@ -64,14 +70,17 @@ class PlanFollowing:
         return table
 
     def _issue_pending(self) -> None:
-        """Start queued planned prefetches, in order, while they fit the budget."""
+        """Start queued prefetches, in order: a planned one when it fits the budget, a
+        reactive plan's hint at the first op after the one it follows (making room)."""
         while self._pending:
             e = self._pending[0]
             if e.ref() is None or e.state != AWAY:
                 self._pending.popleft()
                 continue
             if self._device_bytes + e.nbytes > self.budget:
-                return
+                if not self._hinted:
+                    return  # a planned prefetch waits for room (as simulated)
+                self._make_room(e.nbytes, [])  # a hint makes room, like a fault
             self._pending.popleft()
             if self._prefetch(e):
                 self.stats.planned_moves += 1

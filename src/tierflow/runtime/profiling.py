@@ -21,7 +21,7 @@ from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
-from .storages import _op_kind, _op_name, _storage_bytes
+from .storages import _flat_tensor_args, _op_kind, _op_name, _storage_bytes, _write_spots
 
 
 def _measure_copy_bw(device: torch.device) -> float:
@@ -255,6 +255,8 @@ class Profiling:
         self._funcs = [f for f, *_ in sigs]
         self._fast_funcs = [None if _op_kind(f, _op_name(f)) else f for f in self._funcs]  # collectives: general path
         self._out_sizes = [out_sizes for *_, out_sizes in sigs]
+        self._flat_args = [f is not None and _flat_tensor_args(f) for f in self._fast_funcs]
+        self._write_spots = [_write_spots(f) if f is not None else () for f in self._fast_funcs]
         self._bind_in, self._bind_out = _bindings(trace, sigs, {t for r in plan.recomputes for t in r.tensors})
         self._recompute_tables(trace, plan)
         self._host_step_tables(trace, plan)

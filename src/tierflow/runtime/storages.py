@@ -144,16 +144,38 @@ def _op_name(func) -> str:
     return name
 
 
-def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensor arguments the op writes (in-place ``self``, ``out=``), from its schema
-    (positions cached per op: this runs for every op)."""
+def _write_spots(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument the op writes (in-place ``self``, ``out=``),
+    from its schema; cached per op."""
     spots = _WRITES.get(func)
     if spots is None:
         spots = _WRITES[func] = tuple(
             (i, a.name) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
         )
-    if not spots:
-        return []
+    return spots
+
+
+def _flat_tensor_args(func) -> bool:
+    """Whether every tensor the op can take is a positional argument of its own: no
+    list of tensors (``cat``, ``index``, the ``_foreach`` ops) and no keyword-only
+    tensor (``out=``). Then the dispatch mode finds the tensors in ``args`` alone."""
+    for a in func._schema.arguments:
+        t = a.type
+        if isinstance(t, torch._C.ListType) and str(t.getElementType()) in ("Tensor", "Optional[Tensor]"):
+            return False
+        if a.kwarg_only and str(t) in ("Tensor", "Optional[Tensor]"):
+            return False
+    return True
+
+
+def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor arguments the op writes (in-place ``self``, ``out=``)."""
+    spots = _write_spots(func)
+    return _written_at(spots, args, kwargs) if spots else []
+
+
+def _written_at(spots: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors at the argument positions ``spots`` (see :func:`_write_spots`)."""
     out: list[torch.Tensor] = []
     for i, name in spots:
         v = args[i] if i < len(args) else kwargs.get(name)
