@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -43,6 +44,16 @@ def test_toml_round_trip(name):
     again = hardware_from_toml(hw.to_toml())
     assert again.tiers == hw.tiers and again.links == hw.links and again.buses == hw.buses
     assert math.isclose(again.fault_latency_s, hw.fault_latency_s)
+    assert again.move_issue_s == hw.move_issue_s
+
+
+def test_move_issue_cost_round_trips_and_must_not_be_negative(tmp_path):
+    hw = dataclasses.replace(load_hardware("g10-a100"), move_issue_s=15e-6)
+    assert math.isclose(hardware_from_toml(hw.to_toml()).move_issue_s, 15e-6)
+    path = tmp_path / "bad.toml"
+    path.write_text(hw.to_toml().replace("move_issue_us = 15", "move_issue_us = -1"))
+    with pytest.raises(HardwareError, match="'move_issue_us' must be a finite number >= 0"):
+        load_hardware(path)
 
 
 def test_user_toml_file(tmp_path):

@@ -52,3 +52,29 @@ def test_stats_state_the_tier_buffers(tmp_path):
     s = res.stats
     assert s.host_pool_bytes > 0 and s.ssd_file_bytes > 0 and s.ssd_bounce_bytes > 0
     assert s.pinned_bytes == 0  # CPU mode pins nothing
+
+
+def test_cpu_mode_prices_each_move_and_the_probe_leaves_no_trace():
+    """The CPU-mode hardware model charges each transfer the move cost measured on this
+    machine (``Hardware.move_issue_s``); measuring it moves nothing the stats count."""
+    import torch
+
+    from tierflow import offload
+    from tierflow.capture import zoo
+
+    built = zoo.build("gpt-tiny", seed=0)
+    net = built.model
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+    x, y = built.make_batch(zoo.spec("gpt-tiny").batch, None)
+    with offload(net, opt, budget=None) as run:
+        for _ in range(2):
+            built.loss_fn(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert run.hardware is not None and 0 < run.hardware.move_issue_s < 0.01
+        s = run.stats
+        assert s.moved_bytes.get("host", 0) == 0 and s.transfers == {} and s.moves_by_kind == {}
+        # and the device count is still the sum of the resident storages (storages that
+        # died while it measured were taken off)
+        run._reap()
+        assert run._device_bytes == sum(e.nbytes for e in run._entries.values() if e.state == "resident")

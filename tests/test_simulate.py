@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -35,6 +36,21 @@ def test_fault_pays_latency_then_bytes():
     r = simulate(t, hw, p)
     assert r.faults == 1
     assert r.stall_s == pytest.approx(45e-6 + 50 * MB / 10e9)
+
+
+def test_issuing_a_move_costs_the_compute_stream_its_issue_time():
+    t = chain_trace()
+    hw = dataclasses.replace(simple_hw(pcie_gbps=10.0), move_issue_s=1e-3)
+    # the same plan as above: the eviction hides, the prefetch stalls op 2 for its bytes;
+    # each of the two transfers also costs the stream 1 ms before the next op
+    p = Plan("t", (Move("evict", 1, 0, "host"), Move("prefetch", 1, 1, "host", 2)), budget_bytes=2**30)
+    free = simulate(t, simple_hw(pcie_gbps=10.0), p)
+    r = simulate(t, hw, p)
+    assert r.issuing_s == pytest.approx(2e-3)
+    assert r.time_s == pytest.approx(t.ideal_s + r.stall_s + 2e-3)
+    # the prefetch is issued 1 ms later than without the cost (op 1 starts 1 ms late)
+    assert r.transfers[1].issue_s == pytest.approx(free.transfers[1].issue_s + 1e-3)
+    assert free.issuing_s == 0.0
 
 
 def test_shared_bus_halves_the_rate():

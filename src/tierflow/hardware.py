@@ -13,6 +13,7 @@ of the same form (``tierflow hardware show g10-a100`` prints one to start from):
     name = "my-box"
     device = "gpu"                      # the tier ops compute on
     fault_latency_us = 45               # cost of an on-demand fetch, before its bytes
+    move_issue_us = 0                   # compute-thread time per transfer issued (optional)
     [compute]
     peak_tflops_fp32 = 19.5
     peak_tflops_bf16 = 312
@@ -141,6 +142,11 @@ class Hardware:
     buses: dict[str, float] = field(default_factory=dict)
     fault_latency_s: float = 0.0
     description: str = ""
+    #: Seconds of the compute stream's own thread that issuing one transfer costs (the
+    #: runtime's bookkeeping per move, on the thread that also launches the ops): 0 for
+    #: the published machines, measured by ``tierflow.offload`` for its CPU mode, where
+    #: it decides whether many small moves beat a few large ones.
+    move_issue_s: float = 0.0
     interconnect: Interconnect | None = None
     host_compute: HostCompute | None = None
 
@@ -266,7 +272,10 @@ class Hardware:
         lines = [f'name = "{self.name}"']
         if self.description:
             lines.append(f'description = "{self.description}"')
-        lines += [f'device = "{self.device}"', f"fault_latency_us = {num(self.fault_latency_s * 1e6)}", ""]
+        lines += [f'device = "{self.device}"', f"fault_latency_us = {num(self.fault_latency_s * 1e6)}"]
+        if self.move_issue_s:
+            lines.append(f"move_issue_us = {num(self.move_issue_s * 1e6)}")
+        lines.append("")
         c = self.compute
         lines += [
             "[compute]",
@@ -359,6 +368,8 @@ def _check(hw: Hardware) -> None:
             raise HardwareError(f"{where}: bus {b}: bandwidth must be > 0, got {bw!r}")
     if hw.fault_latency_s < 0:
         raise HardwareError(f"{where}: field 'fault_latency_us' must be >= 0")
+    if not 0 <= hw.move_issue_s < INF:
+        raise HardwareError(f"{where}: field 'move_issue_us' must be a finite number >= 0, got {hw.move_issue_s * 1e6!r}")
     ic = hw.interconnect
     if ic is not None:
         if not ic.bandwidth > 0 or ic.bandwidth == INF:
@@ -517,6 +528,7 @@ def _from_dict(data: dict, source: str) -> Hardware:
         compute=compute,
         buses=buses,
         fault_latency_s=_num(data, "fault_latency_us", source, 0.0) * 1e-6,
+        move_issue_s=_num(data, "move_issue_us", source, 0.0) * 1e-6,
         description=str(data.get("description", "")),
         interconnect=interconnect,
         host_compute=_host_compute(data, source),

@@ -183,6 +183,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._ssd_dir = ssd_dir
         self._hardware_arg = hardware
         self._host_bytes, self._ssd_bytes = host_bytes, ssd_bytes
+        self._move_s: float | None = None  # CPU mode: one move's cost, measured once (moves._probe_move_s)
         self._io_workers = io_workers
         self._sync_ranks = sync_ranks
         self._sync: Any = None  # a distributed.RankSync while the block is open, with >1 ranks
@@ -564,7 +565,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 if e.key != want:
                     self._mark_stale(f"op {i}: tensor {tid} is {e.label}, the trace has {want}")
                     return False
-            elif e.nbytes != want:
+            elif e.nbytes != want and not e.foreign:  # (a foreign size is FSDP's: see _check_outs)
                 self._mark_stale(f"op {i}: tensor {tid} has {e.nbytes} bytes, the trace has {want}")
                 return False
             entries[tid] = e
@@ -576,7 +577,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
     def _check_outs(self, i: int, outs: list[_Entry]) -> None:
         """Op ``i``'s results against the trace: as many, of the same sizes (what the
         budget depends on); then the ones the plan names are bound."""
-        if [e.nbytes for e in outs] != self._out_sizes[i]:
+        sizes = self._out_sizes[i]
+        # (a foreign storage's size is its owner's, FSDP's: it changes when FSDP frees or
+        # gathers it, not with the op, and is accounted when looked at, _sync_foreign)
+        if len(outs) != len(sizes) or any(e.nbytes != n and not e.foreign for e, n in zip(outs, sizes)):
             self._mark_stale(f"op {i}: {self.trace.ops[i].name} made {[e.nbytes for e in outs]} bytes, "
                              f"the trace has {self._out_sizes[i]}")
         elif self._bind_out[i] is not None:
@@ -662,7 +666,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             elif e.ref() is None:  # (a new storage at the address of one that died in the op)
                 e = entry(t, self._op_labels[i])
             k = len(outs)
-            if same and (k >= len(sizes) or sizes[k] != e.nbytes):
+            if same and (k >= len(sizes) or (sizes[k] != e.nbytes and not e.foreign)):
                 same = False
             outs.append(e)
         spots = self._write_spots[i]
@@ -681,7 +685,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 if written:
                     self._account_written(written, outs, self._op_labels[i])
             for k in range(k0, len(outs)):  # (the trace's results include what it wrote)
-                if k >= len(sizes) or sizes[k] != outs[k].nbytes:
+                if k >= len(sizes) or (sizes[k] != outs[k].nbytes and not outs[k].foreign):
                     same = False
         if not same or len(outs) != len(sizes) or self._bind_out[i] is not None:
             self._check_outs(i, outs)

@@ -117,6 +117,49 @@ class Moves:
         self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
         return True
 
+    def _probe_move_s(self, rounds: int = 32, nbytes: int = 4096) -> float:
+        """Seconds of this thread one move costs, measured: ``rounds`` evictions and
+        fetches of a scratch storage of ``nbytes`` through the same code a planned move
+        takes (pool slot, copy, resize, bookkeeping). The CPU-mode hardware model charges
+        it per transfer (``Hardware.move_issue_s``), so that the planner weighs many small
+        moves against a few large ones. The run's stats are left as they were."""
+        import copy
+        import dataclasses
+
+        saved = copy.deepcopy(self.stats)
+        with torch._C._DisableTorchDispatch():
+            t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        st = t.untyped_storage()
+        # (never in self._entries; each eviction takes its bytes off the device count and
+        # each fetch puts them back, so the count ends where it began)
+        e = _Entry(-1, nbytes, lambda: st, name="<move probe>")
+        try:
+            # (below the dispatch mode, as a move made while an op is dispatched runs)
+            with torch._C._DisableTorchDispatch():
+                t0 = time.perf_counter()
+                for _ in range(rounds):
+                    if not self._evict(e, "host"):
+                        return 0.0  # (no room in the host pool: nothing measured)
+                    self._fetch(e)
+                    self._reap()
+                elapsed = time.perf_counter() - t0
+        finally:
+            if e.state != RESIDENT:
+                self._fetch(e)
+            self._reap(wait=True)
+            # (in place, dicts and lists too: the user may hold run.stats, and the copy
+            # layer shares its wait counts with stats.blocking_waits)
+            for f in dataclasses.fields(saved):
+                now, was = getattr(self.stats, f.name), getattr(saved, f.name)
+                if isinstance(now, dict):
+                    now.clear()
+                    now.update(was)
+                elif isinstance(now, list):
+                    now[:] = was
+                else:
+                    setattr(self.stats, f.name, was)
+        return elapsed / (2 * rounds)
+
     def _bounce_alloc(self, n: int) -> int:
         assert self._ssd is not None
         off = self._ssd.bounce.alloc(n)

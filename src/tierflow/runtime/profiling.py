@@ -177,11 +177,18 @@ class Profiling:
             tiers.append(Tier("ssd", "ssd", float(self._ssd.capacity), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
             links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
         host = _host_optimizer_rate()
+        if self._move_s is None:
+            # NOTE: in CPU mode a move's bookkeeping runs on the thread that runs the ops
+            # (tens of microseconds of Python): a plan of 200 small moves can lose to one
+            # of 40 larger ones that the simulator, without this figure, ranks the same
+            self._move_s = self._probe_move_s()
+        move_s = self._move_s
         if self._sync is not None:
             host = replace(host, optimizer_bytes_per_s=self._sync.min(host.optimizer_bytes_per_s))
+            move_s = self._sync.min(move_s)
         return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
                         description="CPU mode: device and host are both RAM, the budget accounted",
-                        host_compute=host)
+                        host_compute=host, move_issue_s=move_s)
 
     def _make_plan(self, trace: Trace) -> bool:
         """Plan from ``trace``; False if the trace cannot be planned from yet (the

@@ -135,6 +135,8 @@ class SimResult:
         peak_bytes: highest bytes held (resident or reserved) per tier.
         fits: the plan ran within the device's capacity.
         op_start_s, op_end_s, op_stall_s: per op, seconds from the iteration start.
+        issuing_s: compute-stream seconds spent issuing transfers (the hardware's
+            ``move_issue_s`` per transfer; part of ``time_s``).
         transfers: every transfer issued in the iteration.
         memory: per tier, a step curve ``(times_s, bytes)``.
         pool: with a planned pool (``simulate_pooled``), how the device arena fared;
@@ -163,6 +165,7 @@ class SimResult:
     faults: int = 0
     fault_bytes: int = 0
     skipped_moves: int = 0
+    issuing_s: float = 0.0
     op_start_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     op_end_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     op_stall_s: np.ndarray = field(default_factory=lambda: np.zeros(0))

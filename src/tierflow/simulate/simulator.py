@@ -13,6 +13,9 @@ Semantics, in the order things happen:
   plan's moves issued "after op ``i``" start: evictions at once; prefetches once the
   device has room for them (a planned prefetch never evicts; a reactive plan's prefetch
   hint may evict least recently used tensors, as a UVM prefetch does).
+* Issuing a transfer (a planned move, a hint, a fault, a pager's eviction) costs the
+  compute stream's thread the hardware's ``move_issue_s`` (0 on the published
+  machines): that time is paid before the next op starts, in the step's time.
 * Transfers move data (they do not copy it): an eviction holds its device bytes until it
   completes, a fetch reserves device bytes when it is issued and releases its source
   when it completes.
@@ -165,6 +168,9 @@ class _Simulator:
         self.window = math.inf
         self.mem_log: dict[str, list[tuple[float, float]]] = {t.name: [] for t in hw.tiers}
         self.faults = self.fault_bytes = self.skipped = 0
+        self.issue_cost = hw.move_issue_s
+        self.issue_debt = 0.0  # compute-thread seconds of transfers issued, not yet paid
+        self.issuing_s = 0.0  # paid in the measured iteration
         self.offload = [t for t in hw.offload_tiers if self.engines.reachable(self.dev, t)]
         self.start_tier = start_tier
         self.headroom = plan.budget_bytes * plan.headroom if plan.reactive else 0.0
@@ -235,6 +241,7 @@ class _Simulator:
     # -- moves --------------------------------------------------------------------------
     def _evict(self, t: int, dst: str, kind: str) -> None:
         size = self.size[t]
+        self.issue_debt += self.issue_cost
         self.state[t] = OUTGOING
         self.lru.pop(t, None)
         self._alloc(dst, size)
@@ -250,6 +257,7 @@ class _Simulator:
     def _fetch(self, t: int, kind: str) -> None:
         """Bring ``t`` to the device; the caller has checked there is room."""
         size = self.size[t]
+        self.issue_debt += self.issue_cost
         self.state[t] = INCOMING
         self._alloc(self.dev, size)
         extra = self.hw.fault_latency_s if kind == "fault" else 0.0
@@ -399,6 +407,11 @@ class _Simulator:
                 self._open_window()
             for i in range(n_ops):
                 self.current_op = i
+                if self.issue_debt:  # the thread issued transfers since the last op
+                    eng.run_until(eng.now + self.issue_debt)
+                    if last:
+                        self.issuing_s += self.issue_debt
+                    self.issue_debt = 0.0
                 ready = eng.now
                 if lev is not None and i in lev.host_ops:
                     # the host runs it (HostStep): no time on the compute stream
@@ -654,7 +667,7 @@ class _Simulator:
         # The stream runs ops back to back, so the iteration is its op time plus its
         # stalls; summing exactly keeps a stall-free run at exactly the ideal time.
         stall_s = math.fsum(self.op_stall.tolist())
-        time_s = self.trace.ideal_s + stall_s
+        time_s = self.trace.ideal_s + stall_s + self.issuing_s
         levers: dict = {}
         if self.lev is not None:
             # the stream also ran the chains and no longer runs the host-stepped ops
@@ -691,6 +704,7 @@ class _Simulator:
             op_start_s=self.op_start,
             op_end_s=self.op_end,
             op_stall_s=self.op_stall,
+            issuing_s=self.issuing_s,
             transfers=transfers,
             memory=memory,
             **levers,
