@@ -112,6 +112,7 @@ def _budget_spec(budget: str | int | float | None) -> tuple[float | None, float 
 
 
 _PLAIN_TYPES: dict[tuple, bool] = {}
+_NO_OUTS: list = []  # (a view op's new storages: none; never appended to)
 
 
 def _plain_types(types: tuple) -> bool:
@@ -598,6 +599,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             i = self._skip_host_ops(i)
         if i >= self._n_ops or self._fast_funcs[i] is not func:
             return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
+        if self._trivial[i]:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
+            out = func(*args, **kwargs)
+            self._op = i + 1
+            return out
         entries, dev, entry = self._entries, self._dev_attr, self._entry
         dead = self._dead
         while dead:  # storages that died: forget them (then no entry of a dead storage is
@@ -650,45 +655,48 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         out = func(*args, **kwargs)
-        outs = []
-        sizes = self._out_sizes[i]
-        same = True  # the results have the trace's sizes so far
-        for t in (out,) if out.__class__ is Tensor else _leaves(out):
-            if getattr(t, dev) is not True:
-                continue
-            try:
-                e = entries.get(t.untyped_storage()._cdata)
-            except (RuntimeError, NotImplementedError):
-                continue
-            if e is None:  # a new storage
-                st = t.untyped_storage()
-                e = self._new_entry(st, st._cdata, self._op_labels[i])
-            elif e.ref() is None:  # (a new storage at the address of one that died in the op)
-                e = entry(t, self._op_labels[i])
-            k = len(outs)
-            if same and (k >= len(sizes) or (sizes[k] != e.nbytes and not e.foreign)):
-                same = False
-            outs.append(e)
-        spots = self._write_spots[i]
-        if spots:  # (most ops write no argument; in place ones write one, ``self``)
-            k0 = len(outs)
-            v = args[spots[0][0]] if len(spots) == 1 and spots[0][0] < len(args) else None
-            if (v.__class__ is Tensor or v.__class__ is Parameter) and getattr(v, dev) is True:
-                e = entries.get(v.untyped_storage()._cdata)
-                if e is None or e.ref() is None:
-                    e = entry(v, self._op_labels[i])
-                outs.append(e)
-                if e.state is RESIDENT and e.ref().nbytes() != e.nbytes:  # (resized by the op)
-                    self._resized(e)
-            else:
-                written = _written_at(spots, args, kwargs)
-                if written:
-                    self._account_written(written, outs, self._op_labels[i])
-            for k in range(k0, len(outs)):  # (the trace's results include what it wrote)
-                if k >= len(sizes) or (sizes[k] != outs[k].nbytes and not outs[k].foreign):
+        if self._views_only[i]:  # (views of the arguments: no new storage, nothing to check)
+            outs = _NO_OUTS
+        else:
+            outs = []
+            sizes = self._out_sizes[i]
+            same = True  # the results have the trace's sizes so far
+            for t in (out,) if out.__class__ is Tensor else _leaves(out):
+                if getattr(t, dev) is not True:
+                    continue
+                try:
+                    e = entries.get(t.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if e is None:  # a new storage
+                    st = t.untyped_storage()
+                    e = self._new_entry(st, st._cdata, self._op_labels[i])
+                elif e.ref() is None:  # (a new storage at the address of one that died in the op)
+                    e = entry(t, self._op_labels[i])
+                k = len(outs)
+                if same and (k >= len(sizes) or (sizes[k] != e.nbytes and not e.foreign)):
                     same = False
-        if not same or len(outs) != len(sizes) or self._bind_out[i] is not None:
-            self._check_outs(i, outs)
+                outs.append(e)
+            spots = self._write_spots[i]
+            if spots:  # (most ops write no argument; in place ones write one, ``self``)
+                k0 = len(outs)
+                v = args[spots[0][0]] if len(spots) == 1 and spots[0][0] < len(args) else None
+                if (v.__class__ is Tensor or v.__class__ is Parameter) and getattr(v, dev) is True:
+                    e = entries.get(v.untyped_storage()._cdata)
+                    if e is None or e.ref() is None:
+                        e = entry(v, self._op_labels[i])
+                    outs.append(e)
+                    if e.state is RESIDENT and e.ref().nbytes() != e.nbytes:  # (resized by the op)
+                        self._resized(e)
+                else:
+                    written = _written_at(spots, args, kwargs)
+                    if written:
+                        self._account_written(written, outs, self._op_labels[i])
+                for k in range(k0, len(outs)):  # (the trace's results include what it wrote)
+                    if k >= len(sizes) or (sizes[k] != outs[k].nbytes and not outs[k].foreign):
+                        same = False
+            if not same or len(outs) != len(sizes) or self._bind_out[i] is not None:
+                self._check_outs(i, outs)
         if levers and not self._stale:
             if chains:
                 self._record(i, func, args, kwargs, out, states)

@@ -21,7 +21,15 @@ from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
-from .storages import _flat_tensor_args, _op_kind, _op_name, _storage_bytes, _write_spots
+from .storages import (
+    METADATA_ONLY,
+    _flat_tensor_args,
+    _op_kind,
+    _op_name,
+    _returns_views,
+    _storage_bytes,
+    _write_spots,
+)
 
 
 def _measure_copy_bw(device: torch.device) -> float:
@@ -264,8 +272,16 @@ class Profiling:
         self._out_sizes = [out_sizes for *_, out_sizes in sigs]
         self._flat_args = [f is not None and _flat_tensor_args(f) for f in self._fast_funcs]
         self._write_spots = [_write_spots(f) if f is not None else () for f in self._fast_funcs]
-        self._bind_in, self._bind_out = _bindings(trace, sigs, {t for r in plan.recomputes for t in r.tensors})
+        if math.isfinite(self.budget) or plan.moves or plan.recomputes or plan.host_steps:
+            self._bind_in, self._bind_out = _bindings(trace, sigs, {t for r in plan.recomputes for t in r.tensors})
+        else:  # no budget and nothing planned: no tensor will ever be moved or ranked, so
+            # none is identified (a departure is still caught by op and result sizes)
+            self._bind_in = self._bind_out = [None] * len(sigs)
         self._recompute_tables(trace, plan)
+        # ops whose results are views, with nothing of theirs bound: the lean path skips
+        # their results (same storages as their arguments, no bytes)
+        self._views_only = [f is not None and _returns_views(f) and b is None and not self._write_spots[i]
+                            for i, (f, b) in enumerate(zip(self._fast_funcs, self._bind_out))]
         self._host_step_tables(trace, plan)
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
         self._actions = self._move_table(trace, plan)
@@ -277,6 +293,10 @@ class Profiling:
             if not t.persistent:
                 born[int(trace.birth[t.id])] += t.bytes
         self._born = born
+        # ops the lean path only runs: metadata over a storage, nothing planned there
+        self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None
+                         and not self._levers_at[i] and not self._has_moves[i] and not born[i]
+                         for i, f in enumerate(self._fast_funcs)]
         if self._chunker is not None:
             self.stats.optimizer_chunks = self._chunker.chunks
         return True

@@ -168,6 +168,21 @@ def _flat_tensor_args(func) -> bool:
     return True
 
 
+#: Ops that only make new metadata over their argument's storage and never look at it,
+#: not even at its size (``view`` and ``alias`` skip the bounds check other view ops make,
+#: ``detach`` copies the tensor's header): they may run while that storage is away.
+#: Autograd dispatches a ``detach`` for every saved tensor it unpacks under saved-tensor
+#: hooks, so these are about a quarter of a transformer step's ops.
+METADATA_ONLY = frozenset({torch.ops.aten.detach.default, torch.ops.aten.view.default, torch.ops.aten.alias.default})
+
+
+def _returns_views(func) -> bool:
+    """Whether every result of the op is a view of an argument (``Tensor(a)`` in its
+    schema, not written): it makes no storage, so it has no bytes to account."""
+    rets = func._schema.returns
+    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+
+
 def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Tensor arguments the op writes (in-place ``self``, ``out=``)."""
     spots = _write_spots(func)
