@@ -665,11 +665,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 if getattr(t, dev) is not True:
                     continue
                 try:
-                    e = entries.get(t.untyped_storage()._cdata)
+                    st = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):
                     continue
+                e = entries.get(st._cdata)
                 if e is None:  # a new storage
-                    st = t.untyped_storage()
                     e = self._new_entry(st, st._cdata, self._op_labels[i])
                 elif e.ref() is None:  # (a new storage at the address of one that died in the op)
                     e = entry(t, self._op_labels[i])
@@ -695,16 +695,19 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 for k in range(k0, len(outs)):  # (the trace's results include what it wrote)
                     if k >= len(sizes) or (sizes[k] != outs[k].nbytes and not outs[k].foreign):
                         same = False
-            if not same or len(outs) != len(sizes) or self._bind_out[i] is not None:
-                self._check_outs(i, outs)
+            if not same or len(outs) != len(sizes):
+                self._check_outs(i, outs)  # (a departure: it says how)
+            elif self._bind_out[i] is not None:
+                self._bind(i, self._bind_out[i], outs)
         if levers and not self._stale:
             if chains:
                 self._record(i, func, args, kwargs, out, states)
             if self._drops[i]:
                 self._drop(i)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
+            # (the op's inputs: a result enters the LRU order at its end when it is bound)
             lru = self._lru
-            for e in ins + outs:
+            for e in ins:
                 if e.cdata in lru:
                     lru.move_to_end(e.cdata)
         if self._device_bytes > self._iter_peak:
