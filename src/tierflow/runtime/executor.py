@@ -3,8 +3,9 @@
 How it works, in one paragraph. While the ``with`` block is open, a light
 ``TorchDispatchMode`` sees every aten op. The first iteration (from the model's first
 forward to ``optimizer.step()`` returning) is *profiled*: each op is recorded with the
-storages it reads and writes, exactly as :mod:`tierflow.capture` records a trace, and
-timed on the real device. The trace goes to a policy, the plan comes back, and every
+storages it reads and writes, its module scope and its ``rng``/``pure`` flags, exactly
+as :mod:`tierflow.capture` records a trace (:mod:`.opfacts`), and timed on the real
+device. The trace goes to a policy, the plan comes back, and every
 later iteration *follows* it: the mode counts ops, and when op ``k`` ends it issues the
 plan's moves "after op ``k``". A move acts on a *storage*: eviction copies its bytes to
 the host pool or the SSD file and shrinks the storage to zero bytes
