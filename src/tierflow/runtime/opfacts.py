@@ -52,7 +52,7 @@ class OpFacts:
     def _facts_begin(self) -> None:
         """A profiled iteration begins (in the model's forward pre-hook): track scopes
         from here."""
-        self._facts: list[tuple[str | None, bool, bool, tuple[int, ...]]] = []
+        self._facts: dict[int, tuple[str | None, bool, bool, tuple[int, ...]]] = {}  # by op
         self._facts_end()
         tracker = ScopeTracker(self.model)
         tracker.__enter__()
@@ -77,7 +77,7 @@ class OpFacts:
                 side_effects = True
             else:
                 written.append(tid)
-        self._facts.append((scope, draws_random(func, args, kwargs), side_effects, tuple(written)))
+        self._facts[len(self._rec) - 1] = (scope, draws_random(func, args, kwargs), side_effects, tuple(written))
 
     def _ops_facts(self, ops: list, kinds: list[str]) -> list[tuple[str | None, bool, bool]]:
         """``(scope, rng, pure)`` of each recorded op; ``ops``: ``(name, phase, dur, ins,
@@ -88,11 +88,13 @@ class OpFacts:
             seen.update(ins)
             made.update(t for t in outs if t not in seen)
             seen.update(outs)
-        facts = getattr(self, "_facts", [])
-        if len(facts) != len(ops):  # (cannot happen: one fact per recorded op)
-            return [(None, False, True)] * len(ops)
+        facts = getattr(self, "_facts", {})
         out = []
-        for scope, rng, side_effects, written in facts:
+        for j in range(len(ops)):
+            if j not in facts:  # (an op recorded without its facts: unknown, so not safe to re-run)
+                out.append((None, False, False))
+                continue
+            scope, rng, side_effects, written = facts[j]
             state = any(kinds[t] in _STATE_KINDS or t not in made for t in written)
             out.append((scope, rng, not side_effects and not state))
         return out
