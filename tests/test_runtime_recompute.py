@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 @pytest.mark.parametrize("policy", ["checkpoint", "selective"])
 @pytest.mark.parametrize("model", MODELS)
 def test_block_recompute_is_bitwise(model, policy):
-    """Every block (sqrt(n) segments: runtime traces carry no scopes yet) recomputed."""
+    """Every block (the model's, from the runtime trace's scopes) recomputed."""
     res = train(model, budget=None, steps=20, policy=policy, check_parity=True, policy_options={"always": True})
     assert res.parity, res.parity_detail  # losses, gradients, parameters, optimizer state, buffers
     s = res.stats

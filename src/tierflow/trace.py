@@ -23,7 +23,8 @@ is optional and written only when it differs from its default. Version 1 files s
 load: their ops have no scope, draw no random numbers and are pure.
 
 Where the fields come from: :func:`tierflow.capture.capture` records all three
-(:mod:`tierflow.capture.scope`, :mod:`tierflow.capture.opflags`);
+(:mod:`tierflow.capture.scope`, :mod:`tierflow.capture.opflags`), and so does the
+runtime's profiled iteration (:mod:`tierflow.runtime.opfacts`);
 :func:`tierflow.synthetic.gpt_trace` gives its ops ``blocks.N.attn``/``blocks.N.mlp``
 scopes; G10 workloads (:mod:`tierflow.formats.g10`) and version 1 files have none.
 

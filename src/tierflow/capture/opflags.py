@@ -3,8 +3,8 @@ whether it draws random numbers, whether it has effects outside the tensors it t
 
 These are the facts a recompute policy needs (:attr:`tierflow.trace.Op.rng`,
 :attr:`tierflow.trace.Op.pure`); :mod:`tierflow.capture.recorder` calls them for every
-op it records, and any other dispatch-mode recorder (the runtime's profiler) can call
-the same functions on the ``func, args, kwargs`` its ``__torch_dispatch__`` receives.
+op it records, and the runtime's profiler (:mod:`tierflow.runtime.opfacts`) calls the
+same functions on the ``func, args, kwargs`` its ``__torch_dispatch__`` receives.
 
 Where the facts come from:
 
@@ -28,7 +28,8 @@ Where the facts come from:
 Whether a write makes an op unsafe to re-run depends on *what* it writes, which only
 the recorder knows (a parameter, a buffer, optimizer state, a gradient, a batch tensor:
 state that outlives the iteration), so :func:`writes` returns the tensors and the
-recorder decides (see :func:`tierflow.capture.recorder.capture`).
+recorder decides (see :func:`tierflow.capture.recorder.capture`; the runtime decides
+the same way, in :mod:`tierflow.runtime.opfacts`).
 """
 
 from __future__ import annotations

@@ -97,6 +97,13 @@ class ScopeTracker:
         self._handles = []
         self._stack.clear()
 
+    def push(self, module: torch.nn.Module) -> None:
+        """Count ``module`` as entered, for a tracker made active from inside that
+        module's own forward pre-hook: ``nn.Module.__call__`` has already read the
+        global hooks for that call, so only its forward post-hook (which pops) will
+        run. The runtime does this for the model whose forward begins an iteration."""
+        self._enter_module(module, ())
+
     def _enter_module(self, mod: torch.nn.Module, args: Any) -> None:
         top = self._stack[-1] if self._stack else None
         self._stack.append(self._path.get(id(mod), top))

@@ -15,6 +15,8 @@ Layout (one job per module; :class:`~.executor.Run` is assembled from the mixins
   victims, the pool layout, stale iterations.
 - :mod:`.profiling`: the profiled iteration to a trace, the hardware model, the plan
   and its prediction, the minimum-working-set check.
+- :mod:`.opfacts`: the profiled ops' module scopes (a scope tracker active for the
+  profiled iteration only) and ``rng``/``pure`` flags, as capture records them.
 - :mod:`.optim_chunks`: the user's optimizer step run in parameter chunks that fit the
   budget (foreach and fused optimizers).
 - :mod:`.recompute`, :mod:`.host_step`: executing the plan's recompute chains and

@@ -3,8 +3,9 @@
 How it works, in one paragraph. While the ``with`` block is open, a light
 ``TorchDispatchMode`` sees every aten op. The first iteration (from the model's first
 forward to ``optimizer.step()`` returning) is *profiled*: each op is recorded with the
-storages it reads and writes, exactly as :mod:`tierflow.capture` records a trace, and
-timed on the real device. The trace goes to a policy, the plan comes back, and every
+storages it reads and writes, its module scope and its ``rng``/``pure`` flags, exactly
+as :mod:`tierflow.capture` records a trace (:mod:`.opfacts`), and timed on the real
+device. The trace goes to a policy, the plan comes back, and every
 later iteration *follows* it: the mode counts ops, and when op ``k`` ends it issues the
 plan's moves "after op ``k``". A move acts on a *storage*: eviction copies its bytes to
 the host pool or the SSD file and shrinks the storage to zero bytes
@@ -70,6 +71,7 @@ from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .host_step import HostStepping
 from .moves import Moves
+from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
 from .profiling import Profiling
 from .recompute import DROPPED, Recomputing, rng_states
@@ -146,7 +148,7 @@ class _Mode(TorchDispatchMode):
             run._quiet = False
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Profiling):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Profiling, OpFacts):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -289,6 +291,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._copier.waits = {}  # (bringing everything home waits by design: not counted)
         errors: list[str] = []
         try:
+            self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
             self._saved.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
             if self._host_params:  # the optimizer state back on the device, as the user had it
@@ -367,6 +370,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._iters_begun += 1
         self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
         self._sigs: list[tuple] = []
+        if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
+            self._facts_begin()
         if self._planned:  # persistent tensors the plan starts the iteration without
             for key, tier in self._start_away.items():
                 e = self._by_key.get(key)
@@ -385,6 +390,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         call it yourself only when training without an optimizer."""
         if not self._in_iter:
             return
+        self._facts_end()
         if not self._fast:  # (a clean planned iteration made no state the profile did not see)
             self._label_opt_state()
         self._in_iter = False
@@ -474,6 +480,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             st.step_time_s = sum(self._time_sums.values()) / sum(self._time_counts.values())
 
     def _handle(self, func, args, kwargs, types=()):
+        # profiling: every op the model dispatches is asked its scope (that is what ties
+        # the autograd nodes it makes to its module, for backward's scopes)
+        scope = self._scopes.scope() if self._scopes is not None else None
         if self._dead or self._frees or self._writes or self._inflight:
             self._reap()
         if self._pending:
@@ -538,6 +547,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             if self._recording:
                 phase = "backward" if torch._C._current_graph_task_id() != -1 else self._phase()
                 self._rec.append((name, phase, dur, list(dict.fromkeys(in_ids)), list(dict.fromkeys(out_ids))))
+                self._note_facts(scope, func, args, kwargs)
                 self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
         self._note_peak()
         if in_iter:

@@ -1,9 +1,11 @@
 """Profiling and planning: the profiled iteration becomes a :class:`~tierflow.trace.Trace`
-(ops with measured times, storages with their kinds and runtime keys), the hardware the
-planner assumes is built (CUDA: a preset with the real device's capacity; CPU: RAM as
-device and host with the measured copy bandwidth), the policy plans, the plan is
-validated and simulated, and the follower's tables are built. A budget below the
-minimum working set is refused here, before the first optimizer step changes anything.
+(ops with measured times, their module scopes and ``rng``/``pure`` flags as
+:mod:`tierflow.capture` records them (:mod:`.opfacts`), storages with their kinds and
+runtime keys), the hardware the planner assumes is built (CUDA: a preset with the real
+device's capacity; CPU: RAM as device and host with the measured copy bandwidth), the
+policy plans, the plan is validated and simulated, and the follower's tables are built.
+A budget below the minimum working set is refused here, before the first optimizer
+step changes anything.
 """
 
 from __future__ import annotations
@@ -127,7 +129,6 @@ class Profiling:
             )
 
     def _build_trace(self) -> Trace:
-        ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs)) for name, phase, d, ins, outs in self._rec]
         tensors = []
         for i, e in enumerate(self._iter_entries):
             kind = e.kind
@@ -135,6 +136,9 @@ class Profiling:
                 kind = "parameter"  # held across iterations outside any op: model state
             tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, kind in ("parameter", "optimizer_state"),
                                       e.name, e.key))
+        facts = self._ops_facts(self._rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
+        ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs), *f)
+               for (name, phase, d, ins, outs), f in zip(self._rec, facts)]
         trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": "measured"})
         self._trace_sigs_next = list(self._sigs)

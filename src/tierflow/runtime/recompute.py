@@ -19,7 +19,9 @@ runs: the op, its arguments with every tensor an earlier op of the chain made re
 by a reference to that op's result (those are re-made, never held), the other tensors
 (the chain's inputs: parameters, the block's input) held until the chain has run, and,
 for an op that draws random numbers (``torch.Tag.nondeterministic_seeded``: dropout),
-the CPU and CUDA generator states just before it. A tensor is dropped only if the op
+the CPU and CUDA generator states just before it. (Decided here, from the op itself,
+not from the trace's ``Op.rng``/``Op.pure``, which the profiled iteration records for
+the planners: a chain replays bitwise whatever a plan's trace says.) A tensor is dropped only if the op
 that made it was recorded; a replay runs what was recorded, in order.
 
 Replay. Under ``torch.no_grad()``, each op runs on the re-made values, with the random
