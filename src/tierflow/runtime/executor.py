@@ -207,6 +207,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
         host = parse_bytes(self._host_bytes) if self._host_bytes is not None else default
         self._host = HostPool(host, pin=self.device.type == "cuda")
+        self._memmove = self.device.type == "cpu"  # (moves.Moves: host moves by memmove)
+        self._host_base = self._host.buffer.data_ptr()
         self._ssd: SSDStore | None = None
         if self._ssd_dir is not None:
             cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default

@@ -12,6 +12,7 @@ tensor from its bounce slot, a failed read leaves it in the file.
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import torch
@@ -24,7 +25,13 @@ from .streams import Copier
 
 
 class Moves:
-    """Evictions, fetches and their bookkeeping (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+    """Evictions, fetches and their bookkeeping (a mixin of :class:`~tierflow.runtime.executor.Run`).
+
+    NOTE: in CPU mode a move between the device's storage and the host pool is one
+    ``memmove`` between their addresses (``_memmove``): both are plain RAM, and a byte
+    view of each plus a ``copy_`` cost several times the copy itself for the tens of
+    kilobytes most moves carry. On CUDA every copy goes through the side stream.
+    """
 
     def _make_room(self, need: int, keep: list[_Entry]) -> None:
         """Evict least recently used owned tensors (not those in ``keep``) until ``need``
@@ -92,11 +99,16 @@ class Moves:
         if e.arrival is not None:  # it is still arriving: the copy out must follow the copy in
             self._copier.wait(e.arrival)
             e.arrival = None
-        src = _u8(st, n)
-        if tier == "host":
+        if tier == "host" and self._memmove:
+            ctypes.memmove(self._host_base + off, st.data_ptr(), n)
+            e.slot = off
+        elif tier == "host":
+            src = _u8(st, n)
             self._copier.copy(self._host.view(off, n), src, src)
+            del src
             e.slot = off
         else:
+            src = _u8(st, n)
             assert self._ssd is not None
             foff = self._ssd.alloc_file(n, e.label, at=slot)
             if slot is not None and foff == slot:
@@ -107,7 +119,7 @@ class Moves:
             e.slot, e.bounce = foff, boff
             e.io = self._ssd.submit(True, boff, foff, n, before)
             self._writes.append(e)
-        del src
+            del src
         st.resize_(0)
         e.state, e.tier = AWAY, tier
         self._device_bytes -= n
@@ -217,7 +229,12 @@ class Moves:
         if st.nbytes() != 0:  # its owner grew it again while it was away: the bytes are theirs now
             self._drop_away(e, st)
             return
-        if e.tier == "host":
+        if e.tier == "host" and self._memmove:
+            st.resize_(n)
+            ctypes.memmove(st.data_ptr(), self._host_base + e.slot, n)
+            self._host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
+            ev = None
+        elif e.tier == "host":
             st.resize_(n)
             dst = _u8(st, n)
             ev = self._copier.copy(dst, self._host.view(e.slot, n), dst)
