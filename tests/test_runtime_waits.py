@@ -78,3 +78,26 @@ def test_cpu_mode_prices_each_move_and_the_probe_leaves_no_trace():
         # died while it measured were taken off)
         run._reap()
         assert run._device_bytes == sum(e.nbytes for e in run._entries.values() if e.state == "resident")
+
+
+def test_no_budget_moves_nothing_even_where_host_steps_look_faster():
+    """Without a budget the iteration fits, so tierflow's plan moves nothing. The joint
+    planner, left to itself (a work budget too small for the move-only pipeline to
+    compete), would step the optimizer on the host for a gain CPU mode does not have."""
+    import torch
+
+    from tierflow import offload
+    from tierflow.capture import zoo
+
+    built = zoo.build("gpt-tiny", seed=0)
+    net = built.model
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+    x, y = built.make_batch(zoo.spec("gpt-tiny").batch, None)
+    with offload(net, opt, budget=None, policy_options={"work_ops": 500}) as run:
+        for _ in range(4):
+            built.loss_fn(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert run.plan is not None and run.stats.planned_steps >= 1
+        assert not run.plan.host_steps and not run.plan.recomputes and not run.plan.moves
+        assert run.stats.host_steps == 0 and sum(run.stats.moved_bytes.values()) == 0
