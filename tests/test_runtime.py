@@ -119,6 +119,37 @@ def test_budget_in_bytes_is_enforced_from_the_first_step():
     assert run.stats.unplanned_evictions > 0 and run.stats.moved_bytes["host"] > 0
 
 
+def test_byte_budget_holds_in_the_first_iteration_of_a_model_with_a_large_late_result():
+    """gpt-tiny's logits (256 KiB, made late in the first forward) are larger than any
+    result before them: the pager makes room for them from the op's meta kernel, not
+    from the largest result seen so far, so no iteration, the first included, goes
+    over a byte budget."""
+    m = zoo.build("gpt-tiny", seed=0)
+    x, y = m.make_batch(4)
+    opt = torch.optim.AdamW(m.model.parameters(), lr=1e-3, foreach=False)
+    budget = 1_300_000  # about 36% of the profiled peak
+    with offload(m.model, opt, budget=budget) as run:
+        for _ in range(4):
+            m.loss_fn(m.model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert run.stats.planned_steps >= 1
+    assert run.stats.peak_device_bytes <= budget
+
+
+def test_result_bytes_come_from_meta_kernels_without_touching_the_random_stream():
+    from tierflow.runtime.storages import _new_result_bytes
+
+    aten = torch.ops.aten
+    a, b = torch.randn(32, 8), torch.randn(8, 16)
+    state = torch.get_rng_state()
+    assert _new_result_bytes(aten.mm.default, (a, b), {}) == 32 * 16 * 4
+    assert _new_result_bytes(aten.randn.default, ([64, 4],), {"device": torch.device("cpu")}) == 64 * 4 * 4
+    assert _new_result_bytes(aten.view.default, (a, [256]), {}) == 0  # a view: no new storage
+    assert _new_result_bytes(aten.nonzero.default, (a,), {}) is None  # data-dependent shape
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_budget_below_working_set_fails_before_any_update():
     m = zoo.build("mlp-tiny", seed=0)
     x, y = m.make_batch(8)

@@ -82,6 +82,7 @@ from .storages import (
     StorageTracking,
     _Entry,
     _leaves,
+    _new_result_bytes,
     _op_kind,
     _op_name,
     _storage_bytes,
@@ -517,7 +518,19 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             following = False
         if following and self._bind_in[i] is not None and not self._bind(i, self._bind_in[i], ins):
             following = False
-        expect = self._born[i] if following else self._max_out
+        if following:
+            expect = self._born[i]
+        else:
+            # NOTE: the pager makes room before the op runs, so it needs the bytes the op
+            # will make. Under a budget the op's meta kernel says (a profiled iteration
+            # costs a few tens of microseconds more per op); else, or where it cannot,
+            # the largest an op has made so far: in the first iteration that can be too
+            # little (gpt-tiny at a 1.3 MB budget overshot by 9% at its logits)
+            expect = self._max_out
+            if self.budget < math.inf and not types and not special:
+                est = _new_result_bytes(func, args, kwargs)
+                if est is not None:
+                    expect = est
         away = sum(e.nbytes for e in ins if e.state != RESIDENT)
         self._make_room(away + expect, ins)
         for e in ins:

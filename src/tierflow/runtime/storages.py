@@ -183,6 +183,42 @@ def _returns_views(func) -> bool:
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        if type(x) not in _PLAIN:
+            raise TypeError("a tensor subclass")
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+def _new_result_bytes(func, args: tuple, kwargs: dict) -> int | None:
+    """Bytes of new storage the op's results will take, before it runs: its meta kernel
+    on meta copies of its arguments (shapes only, no data, some tens of microseconds).
+    Results the schema says are views or written arguments take none. None when the
+    meta kernel cannot say (no meta kernel, a shape that depends on the data, a tensor
+    subclass): the caller then guesses."""
+    rets = func._schema.returns
+    if rets and all(r.alias_info is not None for r in rets):
+        return 0
+    try:
+        margs, mkwargs = pytree.tree_map(_to_meta, args), pytree.tree_map(_to_meta, kwargs)
+        # NOTE: a factory (randn, empty, arange) takes its device from an argument, not
+        # from a tensor: run on the CPU it would draw from the user's random stream
+        if any(a.name == "device" and a.kwarg_only for a in func._schema.arguments):
+            mkwargs["device"] = torch.device("meta")
+        elif not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((margs, mkwargs))):
+            return None  # (no tensor and no device: where it would run is not ours to say)
+        out = func(*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 (any failure of a meta kernel only means "unknown")
+        return None
+    outs = out if isinstance(out, (tuple, list)) and len(out) == len(rets) else (out,) * len(rets)
+    n = 0
+    for r, o in zip(rets, outs):
+        if r.alias_info is None:
+            n += sum(_storage_bytes(t) for t in _leaves(o))
+    return n
+
+
 def _written_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Tensor arguments the op writes (in-place ``self``, ``out=``)."""
     spots = _write_spots(func)
