@@ -66,6 +66,7 @@ from ..trace import Trace
 from ..units import parse_bytes
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
+from .host_step import HostSteps
 from .moves import Moves
 from .optim_chunks import ChunkedStep
 from .profiling import Profiling
@@ -141,7 +142,7 @@ class _Mode(TorchDispatchMode):
             run._quiet = False
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Profiling):
+class Run(StorageTracking, Moves, PlanFollowing, Profiling, HostSteps):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -252,6 +253,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
         self._labelled_states = -1  # len(optimizer.state) when its tensors were last labelled
         self._chunker: ChunkedStep | None = None
+        self._host_init()  # [host steps] (runtime/host_step.py)
         if self.optimizer is not None:
             chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")
             if chunker.wanted:  # foreach/fused groups: stepped in chunks that fit the budget
@@ -282,6 +284,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             self._mode.__exit__(None, None, None)
             for h in self._hooks:
                 h.remove()
+            self._host_close()  # [host steps] updates finished, state back where it was
             if self._chunker is not None:
                 self._chunker.uninstall()
             # bring everything home: the model and optimizer are whole again after the block
@@ -337,6 +340,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         self._recording = self._need_profile or self.plan is None
         self._planned = not self._recording and self.plan is not None and not self.plan.reactive
         self._hinted = not self._recording and self.plan is not None and self.plan.reactive
+        if self._recording and self._host_active:  # [host steps] a profile sees the whole step on the device
+            self._host_release()
         # following a plan, only the tensors the plan names are identified (by _bind):
         # their trace ids index this list; profiling, every tensor in order of first use
         self._iter_entries: list[_Entry | None] = [] if self._recording else [None] * self._n_tensors
@@ -368,6 +373,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
     def end_iteration(self) -> None:
         """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
         call it yourself only when training without an optimizer."""
+        self._host_finish()  # [host steps] every host update done, parameters back
         if not self._in_iter:
             return
         if not self._fast:  # (a clean planned iteration made no state the profile did not see)
@@ -523,7 +529,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
         if in_iter:
             if following and not self._stale:
                 self._fire(i, hints=self._hinted)
-            self._op += 1
+            self._op = self._next_op[i] if following else self._op + 1  # [host steps] past host ops
         return out
 
     def _follows(self) -> bool:
@@ -640,7 +646,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             self._note_peak()
         if self._has_moves[i] and not self._stale:
             self._fire(i, hints=self._hinted)
-        self._op = i + 1
+        self._op = self._next_op[i]  # [host steps] (i + 1, past ops the host runs)
         return out
 
     def _account_written(self, written: list[torch.Tensor], outs: list[_Entry], label: str) -> int:
@@ -652,6 +658,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling):
             if e is None:
                 continue
             outs.append(e)
+            if e.home is not None:  # [host steps] a host-stepped parameter's master copy is stale now
+                e.synced = False
             st = e.ref()
             if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
                 self._device_bytes += st.nbytes() - e.nbytes

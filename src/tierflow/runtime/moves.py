@@ -175,6 +175,12 @@ class Moves:
             dst = _u8(st, n)
             ev = self._copier.copy(dst, self._host.view(e.slot, n), dst)
             self._frees.append((ev, self._host.arena, e.slot, n))
+        elif e.tier == "home":  # a host step's buffer (runtime/host_step.py): its update first
+            self._host_wait(e)
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = self._copier.copy(dst, e.home, dst)
+            e.synced = True
         else:
             assert self._ssd is not None
             if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
@@ -206,6 +212,7 @@ class Moves:
         e.state, e.slot = RESIDENT, -1
         tier, e.tier = e.tier, None
         self._device_bytes += n
+        tier = "host" if tier == "home" else tier
         self._count(f"{tier}->device", tier or "host", n)
         if e.kind in OWNED:
             self._lru[e.cdata] = e
@@ -309,5 +316,7 @@ class Moves:
             self._ssd.bounce.release(e.bounce, e.nbytes)
         if e.tier == "host":
             self._host.arena.release(e.slot, e.nbytes)
+        elif e.tier == "home":  # (a host step's own buffer: nothing to give back)
+            pass
         elif self._ssd is not None:
             self._ssd.arena.release(e.slot, e.nbytes)

@@ -27,6 +27,12 @@ per chunk, and the rest of the budget keeps room for the plan's prefetches of th
 chunk. Fewer, larger chunks mean fewer kernel launches on a GPU: the quarter is the
 trade-off.
 
+Host steps. The same machinery leaves out the parameters a plan updates on the host
+(:mod:`.host_step`): ``skip`` holds them while a plan with host steps is followed, and
+their chunks are dropped (a chunk is one op of the trace, host-stepped whole or not at
+all). The chunk layout is then frozen as profiled (``freeze``): the host-stepped
+parameters' state has left the device, which must not change the chunks of the rest.
+
 Limitations. Group settings a step pre-hook changes on a chunk group are copied back
 from the group's first chunk. A closure is passed to the step once, as usual. Groups
 with ``foreach=False`` (one parameter at a time already) are never chunked.
@@ -77,6 +83,8 @@ class ChunkedStep:
         self.cuda = cuda
         self.cap: float | None = None  # bytes per chunk; None: the step runs whole
         self.chunks = 0  # chunk groups in the last chunked step
+        self.skip: set[int] = set()  # ids of parameters the step leaves out (host steps)
+        self.frozen: list[list[list[int]]] | None = None  # the chunk layout, held (see freeze)
         self._inner = None
         self._installed = False
 
@@ -123,12 +131,22 @@ class ChunkedStep:
                 return budget / 4
         return None
 
-    def _slices(self, cap: float) -> list[list[list[int]]]:
+    def freeze(self) -> None:
+        """Hold the current chunk layout until :meth:`thaw` (while host steps keep some
+        parameters' state off the device, which would otherwise change the sizes)."""
+        self.frozen = self._slices(self.cap)
+
+    def thaw(self) -> None:
+        self.frozen = None
+
+    def _slices(self, cap: float | None) -> list[list[list[int]]]:
         """Per group, the index ranges of its chunks (one range: not chunked)."""
+        if self.frozen is not None:
+            return self.frozen
         out = []
         for g in self.opt.param_groups:
             ps = g["params"]
-            if not _multi_tensor(g, self.cuda) or len(ps) < 2:
+            if cap is None or not _multi_tensor(g, self.cuda) or len(ps) < 2:
                 out.append([list(range(len(ps)))])
                 continue
             chunks, cur, size = [], [], 0
@@ -145,28 +163,38 @@ class ChunkedStep:
 
     def _step(self, *args, **kwargs):
         inner = self._inner
-        if not self._installed or self.cap is None:
+        if not self._installed or (self.cap is None and not self.skip):
             return inner(*args, **kwargs)
         groups = self.opt.param_groups
         slices = self._slices(self.cap)
-        if all(len(c) == 1 for c in slices):
+        skip = self.skip
+        if all(len(c) == 1 for c in slices) and not skip:
             self.chunks = len(groups)
             return inner(*args, **kwargs)
         chunked, first = [], []
         for g, ranges in zip(groups, slices):
-            first.append(len(chunked))
+            first.append(None)
             for r in ranges:
+                params = [g["params"][k] for k in r]
+                if skip:
+                    params = [p for p in params if id(p) not in skip]
+                    if not params:  # host-stepped whole: not run here
+                        continue
                 c = dict(g)
-                c["params"] = [g["params"][k] for k in r]
+                c["params"] = params
                 chunked.append(c)
+                if first[-1] is None:
+                    first[-1] = c
         self.chunks = len(chunked)
         self.opt.param_groups = chunked
         try:
             return inner(*args, **kwargs)
         finally:
             self.opt.param_groups = groups
-            for g, j in zip(groups, first):  # settings a hook changed during the step
-                for k, v in chunked[j].items():
+            for g, c in zip(groups, first):  # settings a hook changed during the step
+                if c is None:  # (no chunk of it ran here)
+                    continue
+                for k, v in c.items():
                     if k != "params" and g.get(k) is not v:
                         g[k] = v
 

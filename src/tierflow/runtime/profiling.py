@@ -261,6 +261,7 @@ class Profiling:
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
         self._actions = self._move_table(trace, plan)
         self._has_moves = [bool(a) for a in self._actions]
+        self._next_op = list(range(1, trace.n_ops + 1))  # the op after each (host steps skip theirs)
         self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
         self._pending.clear()
         born = [0] * (trace.n_ops + 1)
@@ -270,4 +271,5 @@ class Profiling:
         self._born = born
         if self._chunker is not None:
             self.stats.optimizer_chunks = self._chunker.chunks
+        self._host_adopt(trace, plan)  # the plan's host steps, if any (runtime/host_step.py)
         return True

@@ -63,6 +63,13 @@ class RunStats:
         foreign_storages: storages another owner resizes (FSDP's unsharded
             parameters), which the runtime leaves alone and only accounts: those alive
             at the end of the last iteration.
+        host_stepped_params: parameters the current plan updates on the host
+            (:class:`~tierflow.plan.HostStep`; see :mod:`tierflow.runtime.host_step`).
+        host_steps: host updates run (one per host-stepped parameter and step).
+        host_step_s: seconds the host updates took, measured on the worker thread
+            (overlapped with backward and the device-side step).
+        host_step_wait_s: seconds the training thread waited for host updates (when
+            ``optimizer.step()`` ends, or a parameter was needed before its update ended).
     """
 
     steps: int = 0
@@ -98,6 +105,10 @@ class RunStats:
     ssd_bounce_bytes: int = 0
     pinned_bytes: int = 0
     optimizer_chunks: int = 0
+    host_stepped_params: int = 0
+    host_steps: int = 0
+    host_step_s: float = 0.0
+    host_step_wait_s: float = 0.0
     blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
     rank: int = 0

@@ -50,6 +50,11 @@ class _Entry:
     touched: bool = False  # an op used it after the collective that pinned it
     foreign: bool = False  # resized by someone else (FSDP's unsharded parameters): never moved
     top: int = 0  # largest size seen (a foreign storage's size changes under us)
+    # host steps (runtime/host_step.py): the host buffer that is this storage's home off
+    # the device (a host-stepped parameter's master copy, its gradient's buffer): while
+    # away in it the tier is "home"; synced: the device bytes equal the home's
+    home: Any = None
+    synced: bool = True
 
     @property
     def persistent(self) -> bool:
@@ -225,10 +230,11 @@ class StorageTracking:
         if self.optimizer is None:
             return
         self._labelled_states = len(self.optimizer.state)
+        held = self._host_held  # optimizer state host steps keep on the host (never device bytes)
         for p, state in self.optimizer.state.items():
             pn = self._names.get(id(p), f"<param {id(p):x}>")
             for k, v in state.items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and id(v) not in held:
                     self._label(self._entry(v), "optimizer_state", f"opt:{pn}:{k}", f"{pn}.{k}")
 
     def _on_grad(self, name: str):

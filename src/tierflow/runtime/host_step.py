@@ -1,0 +1,556 @@
+"""Host-side optimizer steps: executing a plan's :class:`~tierflow.plan.HostStep` records.
+
+What the contract asks (see :class:`tierflow.plan.HostStep`): for a host-stepped
+parameter the optimizer state lives on the host for good, the gradient goes to the
+host as soon as the last backward op that writes it ends (and leaves the device), the
+update runs on the host, and the updated parameter is back on the device before its
+next use. ZeRO-Offload does this with its own optimizer (DeepSpeed's
+``DeepSpeedCPUAdam`` over its own fp32 partitions, ``deepspeed/runtime/zero/
+stage_1_and_2.py``); torchao's ``CPUOffloadOptimizer`` (pytorch/ao
+``torchao/optim/cpu_offload.py``) replaces the user's optimizer by one optimizer per
+parameter over host copies, so its ``state_dict()`` has another layout and its
+``param_groups`` are one per parameter (an LR scheduler sees as many groups). Here the
+user's optimizer object stays the one they made:
+
+* **The state** of a host-stepped parameter is moved, at the moment the plan is
+  adopted, into host tensors that replace the tensors in ``optimizer.state[p]`` (the
+  same per-parameter dict object): ``state_dict()`` returns them (host tensors on CUDA),
+  ``load_state_dict()`` puts device tensors back, which the next update finds and moves
+  to the host again; when the ``offload`` block closes (or the run profiles again) the
+  state goes back to the device. In CPU mode the host tensors are the runtime's own
+  storages, never counted in the device budget.
+* **The gradient** is copied into a host buffer by a post-accumulate-grad hook (on
+  CUDA, a copy on the side stream after the backward kernel that made it), and its
+  device storage is shrunk to nothing: the gradient tensor stays a valid object, away
+  in its *home* (tier ``"home"`` of the entry), and code that reads ``p.grad`` later
+  (clipping, logging) fetches it back as any away tensor.
+* **The update** runs the optimizer's own step function (the class's ``step`` without
+  the hooks ``Optimizer`` wraps it in) on a shallow proxy of the user's optimizer whose
+  only param group is a copy of ``p``'s group holding the parameter's host master copy
+  (its ``.grad`` the host gradient buffer) and whose ``state`` maps that master copy to
+  the user's own state dict for ``p``. The same code (``foreach``/``fused`` as the group
+  says) on the same values: in CPU mode the result is bitwise that of plain PyTorch;
+  on CUDA it is the CPU kernel, equal to the CUDA one up to floating-point rounding of
+  the update's arithmetic (a few ulp per step for Adam; tests state the tolerance).
+  Updates run one after another on one worker thread, overlapped with the rest of
+  backward and with the device-side step (which leaves the host-stepped parameters
+  out: :class:`~tierflow.runtime.optim_chunks.ChunkedStep` ``skip``).
+* **The parameter**'s device bytes are obsolete once its update is under way: they are
+  dropped (the storage shrinks to nothing, like an eviction without a copy) and its
+  home becomes the master copy. ``optimizer.step()`` waits for every update before it
+  returns and copies the parameters the plan holds on the device at the start of an
+  iteration back there (the others come back by the plan's prefetch or on demand,
+  which waits for the update first). Waiting in ``step()`` rather than at the next
+  forward costs little overlap and keeps what a training loop reads after
+  ``step()`` — parameters, ``state_dict()``, a scheduler's view — exactly as without
+  tierflow.
+
+When a host update cannot start at its gradient's hook (the iteration departed from
+the trace, or gradients are accumulated over more backward passes than the trace has),
+it runs when ``optimizer.step()`` ends: later, never wrong. A parameter whose master
+copy may be stale (an op wrote the parameter on the device since its last update, e.g.
+a checkpoint restored into the model) is copied to the host before its update.
+
+Limits: parameters and gradients must own their storage whole (a view into a larger
+buffer cannot be shrunk alone): a plan whose host steps name such a parameter is
+followed without its host steps (``run.stats.plan_error`` says why). Group settings are
+read when each update starts: a setting changed between ``backward()`` and
+``optimizer.step()`` (an LR scheduler stepped before the optimizer) reaches only the
+updates that start after the change. ``capturable`` optimizers cannot run on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..plan import Plan
+from ..trace import Trace
+from .errors import OffloadError
+from .optim_chunks import ChunkedStep
+from .storages import AWAY, INCOMING, RESIDENT, _Entry, _u8
+from .streams import Copier
+
+
+@dataclass(eq=False)
+class _HostParam:
+    """One host-stepped parameter and its host buffers."""
+
+    name: str
+    param: torch.nn.Parameter
+    group: dict  # the user's param group holding it (read when an update starts)
+    last_op: int  # its gradient's last backward op in the trace
+    master: torch.Tensor  # the parameter's master copy on the host
+    grad_buf: torch.Tensor  # its gradient's buffer on the host
+    moved: dict[str, torch.device] = field(default_factory=dict)  # state keys moved to the host: from where
+    held: list[torch.Tensor] = field(default_factory=list)  # its host state (keeps the ids in _host_held valid)
+    future: Future | None = None  # the update in flight
+    scheduled: bool = False  # its update was issued in this iteration
+
+    @property
+    def nbytes(self) -> int:
+        return self.master.numel() * self.master.element_size()
+
+
+def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The optimizer class's own ``step``, without the wrapper ``Optimizer`` puts around
+    it to run step hooks (the runtime's hooks end the iteration: they must run once per
+    ``optimizer.step()``, not once per host update)."""
+    fn = type(optimizer).step
+    if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _proxy(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor, state: dict) -> Any:
+    """A shallow stand-in for ``optimizer`` whose only group steps ``master`` with the
+    user's state dict (the same object: what the update writes is the user's)."""
+    proxy = object.__new__(type(optimizer))
+    proxy.__dict__.update(optimizer.__dict__)
+    g = dict(group)
+    g["params"] = [master]
+    proxy.param_groups = [g]
+    proxy.state = {master: state}
+    return proxy
+
+
+def _update(step: Callable[..., Any], proxy: Any, events: list[Any]) -> float:
+    """The host update (on the worker thread): wait for the copies it reads, run the
+    optimizer's step on the proxy. Its seconds."""
+    for ev in events:
+        Copier.synchronize(ev)
+    t0 = time.perf_counter()
+    step(proxy)
+    return time.perf_counter() - t0
+
+
+def _whole(t: torch.Tensor, nbytes: int | None = None) -> bool:
+    """Whether ``t`` is its storage, whole (what a host step can shrink and restore);
+    ``nbytes``: the storage's size when it is away (its storage has none then)."""
+    n = t.untyped_storage().nbytes() if nbytes is None else nbytes
+    return t.is_contiguous() and t.storage_offset() == 0 and n == t.numel() * t.element_size()
+
+
+def _key_name(key: str | None) -> str | None:
+    """The parameter a runtime key names (``param:N``, ``grad:N``, ``opt:N:KEY``)."""
+    if not key:
+        return None
+    kind, _, rest = key.partition(":")
+    if kind in ("param", "grad"):
+        return rest
+    if kind == "opt":
+        return rest.rsplit(":", 1)[0]
+    return None
+
+
+def update_groups(trace: Trace) -> list[tuple[list[int], set[str]]]:
+    """The optimizer ops of ``trace`` in units of work, each with the parameters it
+    updates (by name): ops sharing a tensor are one unit; an op without tensors joins
+    the unit of the next op with some (a step counter kept on the CPU, read with
+    ``.item()``); units that touch only a parameter's optimizer state (its step counter
+    on the device, in CPU mode) join the unit of that parameter. What the runtime runs
+    on the host for a set of parameters is the units whose parameters all are in it:
+    the whole of their update, counter included, as the optimizer's step does it."""
+    ops = trace.ops
+    opt = [i for i, o in enumerate(ops) if o.phase == "optimizer"]
+    parent = {i: i for i in opt}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(a: int, b: int) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+
+    first: dict[int, int] = {}
+    for i in opt:
+        for t in trace.op_tensors[i]:
+            if t in first:
+                union(first[t], i)
+            else:
+                first[t] = i
+    nxt = None
+    for i in reversed(opt):
+        if len(trace.op_tensors[i]):
+            nxt = i
+        elif nxt is not None:
+            union(i, nxt)
+    tensors = trace.tensors
+    units: dict[int, list[int]] = {}
+    for i in opt:
+        units.setdefault(find(i), []).append(i)
+    named: dict[int, set[str]] = {}
+    for root, unit in units.items():
+        names = set()
+        for i in unit:
+            for t in trace.op_tensors[i]:
+                nm = _key_name(tensors[t].key)
+                if nm is not None:
+                    names.add(nm)
+        named[root] = names
+    # a unit of state alone (no parameter, no gradient) joins its parameter's unit
+    owner: dict[str, int] = {}
+    for root, unit in units.items():
+        for i in unit:
+            for t in trace.op_tensors[i]:
+                key = tensors[t].key or ""
+                if key.startswith(("param:", "grad:")):
+                    owner.setdefault(_key_name(key), root)
+    for root in sorted(units):
+        unit = units[root]
+        keys = [tensors[t].key or "" for i in unit for t in trace.op_tensors[i]]
+        if keys and all(k.startswith("opt:") for k in keys if k) and not any(
+                k.startswith(("param:", "grad:")) for k in keys):
+            homes = {owner.get(n) for n in named[root]}
+            if len(homes) == 1 and None not in homes:
+                union(root, homes.pop())
+    out: dict[int, tuple[list[int], set[str]]] = {}
+    for root, unit in units.items():
+        r = find(root)
+        ops_, names = out.setdefault(r, ([], set()))
+        ops_ += unit
+        names |= named[root]
+    return [(sorted(u), n) for _, (u, n) in sorted(out.items())]
+
+
+class HostSteps:
+    """Host-side optimizer steps (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+
+    _host_active = False
+    _host_held: frozenset[int] | set[int] = frozenset()  # ids of state tensors kept on the host
+
+    def _host_init(self) -> None:
+        self._host_params: list[_HostParam] = []
+        self._host_by_cdata: dict[int, _HostParam] = {}  # parameter storage -> its host step
+        self._host_held = set()
+        self._host_hooks: list[Any] = []
+        self._host_worker: ThreadPoolExecutor | None = None
+        self._host_active = False
+
+    # -- adopting a plan ---------------------------------------------------------------
+
+    def _host_adopt(self, trace: Trace, plan: Plan) -> None:
+        """Take up ``plan``'s host steps: host buffers, state to the host, hooks, the
+        device step's skip set, the follower's op order. A plan whose host steps cannot
+        be executed (a parameter that is not its storage whole, not found) is followed
+        without them; ``stats.plan_error`` says why."""
+        self._host_release()
+        self.stats.host_stepped_params = 0
+        if not plan.host_steps or plan.reactive or self.optimizer is None:
+            return
+        named = dict(self.model.named_parameters())
+        wanted: dict[str, int] = {}  # parameter name -> its gradient's tensor id
+        for h in plan.host_steps:
+            key = trace.tensors[h.param].key or ""
+            name = key[len("param:"):] if key.startswith("param:") else None
+            p = named.get(name) if name is not None else None
+            why = None
+            if p is None:
+                why = f"tensor {h.param} ({key or 'no key'}) is not a parameter of the model"
+            elif (e := self._by_key.get(key)) is None or not e.resizable or e.foreign:
+                why = f"parameter {name} is not a storage the runtime moves"
+            elif not _whole(p, e.nbytes) or (p.grad is not None and not _whole(
+                    p.grad, getattr(self._entry(p.grad), "nbytes", None))):
+                why = f"parameter {name} or its gradient is a view into a larger storage"
+            if why is not None:
+                self.stats.plan_error = f"host steps not executed: {why}"
+                return
+            wanted[name] = h.grad
+        # what runs on the host: the units of the optimizer's work whose parameters are
+        # all host-stepped (a unit shared with a parameter the device steps stays there,
+        # with all its parameters: the device step leaves out whole parameters only)
+        units = update_groups(trace)
+        while True:
+            mixed = {n for _, names in units if names & wanted.keys() and not names <= wanted.keys()
+                     for n in names & wanted.keys()}
+            if not mixed:
+                break
+            for n in mixed:
+                del wanted[n]
+        host_ops = {o for unit, names in units if names and names <= wanted.keys() for o in unit}
+        if not wanted:
+            self.stats.plan_error = "host steps not executed: each shares its optimizer op with a parameter the device steps"
+            return
+        chosen: list[tuple[str, torch.nn.Parameter, int]] = []
+        for name, grad in wanted.items():
+            dev_uses = [int(u) for u in trace.uses(grad).tolist() if int(u) not in host_ops]
+            chosen.append((name, named[name], dev_uses[-1] if dev_uses else -1))
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        if any(id(p) not in group_of for _, p, _ in chosen):
+            self.stats.plan_error = "host steps not executed: a host-stepped parameter is in no param group"
+            return
+        cuda = self.device.type == "cuda"
+        chunker = self._chunker
+        if chunker is None:  # the device step must leave the host-stepped parameters out
+            chunker = self._chunker = ChunkedStep(self.optimizer, cuda=cuda)
+            chunker.install()
+        chunker.freeze()  # (before the state leaves: its sizes set the chunks, as profiled)
+        for name, p, last in chosen:
+            e = self._by_key[f"param:{name}"]
+            self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
+            self._ensure_resident(e)
+            master = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=cuda)
+            master.copy_(p.detach())
+            g = p.grad
+            grad_buf = torch.empty(p.shape, dtype=g.dtype if g is not None else p.dtype, device="cpu",
+                                   pin_memory=cuda)
+            master.grad = grad_buf
+            hp = _HostParam(name, p, group_of[id(p)], last, master, grad_buf)
+            self._host_state_to_host(hp)
+            e.home, e.synced = _u8(master.untyped_storage(), hp.nbytes), True
+            self._host_params.append(hp)
+            self._host_by_cdata[e.cdata] = hp
+            self._host_hooks.append(p.register_post_accumulate_grad_hook(self._host_hook(hp)))
+        chunker.skip = {id(hp.param) for hp in self._host_params}
+        if self._host_worker is None:
+            self._host_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-host-step")
+        self._host_active = True
+        self.stats.host_stepped_params = len(self._host_params)
+        self._host_follow_tables(trace, host_ops)
+
+    def _host_follow_tables(self, trace: Trace, host_ops: set[int]) -> None:
+        """The follower skips the ops that run on the host (``_next_op``), and the moves
+        the plan issues after one of them are issued after the device op before it."""
+        n = trace.n_ops
+        nxt = list(range(1, n + 1))
+        following = n
+        for i in range(n - 1, -1, -1):
+            nxt[i] = following
+            if i not in host_ops:
+                following = i
+        self._next_op = nxt
+        prev = -1
+        for i in range(n):
+            if i not in host_ops:
+                prev = i
+            elif self._actions[i] and prev >= 0:
+                self._actions[prev] = tuple(self._actions[prev]) + tuple(self._actions[i])
+                self._actions[i] = ()
+                self._has_moves[prev], self._has_moves[i] = True, False
+
+    def _host_state_to_host(self, hp: _HostParam) -> None:
+        """Replace the tensors of ``optimizer.state[p]`` by host copies (state already on
+        the host, such as Adam's CPU step counter on CUDA, stays as it is)."""
+        state = self.optimizer.state[hp.param]
+        cuda = self.device.type == "cuda"
+        for k, v in list(state.items()):
+            if not isinstance(v, torch.Tensor) or id(v) in self._host_held:
+                continue
+            if v.device.type == self.device.type:  # (CPU mode: the device's, counted in the budget)
+                e = self._entry(v)
+                if e is not None and e.state != RESIDENT:
+                    self._make_room(e.nbytes, [e])
+                    self._ensure_resident(e)
+                h = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=cuda and v.dim() > 0)
+                h.copy_(v)
+                hp.moved[k] = v.device
+                state[k] = h
+                v = h
+            self._host_held.add(id(v))
+            hp.held.append(v)
+
+    def _host_release(self) -> None:
+        """Give the host steps up (a new profile, a new plan, the end of the run): every
+        update finished, parameters and gradients back on the device, the state moved
+        back where it was, hooks and the device step's skip set gone."""
+        if not self._host_active:
+            return
+        self._host_finish(copy_back=False, late=False)
+        self._host_active = False
+        for h in self._host_hooks:
+            h.remove()
+        self._host_hooks.clear()
+        for hp in self._host_params:
+            e = self._host_entry(hp)
+            for t in (hp.param, hp.param.grad):
+                x = self._entry(t) if t is not None else None
+                if x is not None and x.state != RESIDENT and x.tier == "home":
+                    self._make_room(x.nbytes, [x])
+                    self._fetch(x)
+                if x is not None:
+                    x.home = None
+            if e is not None:
+                e.home = None
+            state = self.optimizer.state.get(hp.param, {})
+            for k, dev in hp.moved.items():
+                v = state.get(k)
+                if isinstance(v, torch.Tensor) and v.device != dev:
+                    state[k] = v.to(dev)
+        self._host_params.clear()
+        self._host_by_cdata.clear()
+        self._host_held = set()
+        if self._chunker is not None:
+            self._chunker.skip = set()
+            self._chunker.thaw()
+        self._label_opt_state()  # (CPU mode: the state the host held is device state again)
+
+    def _host_close(self) -> None:
+        """At the end of the run: release, and stop the worker."""
+        try:
+            self._host_release()
+        finally:
+            if self._host_worker is not None:
+                self._host_worker.shutdown(wait=True)
+                self._host_worker = None
+
+    # -- an iteration ------------------------------------------------------------------
+
+    def _host_entry(self, hp: _HostParam) -> _Entry | None:
+        return self._by_key.get(f"param:{hp.name}")
+
+    def _host_hook(self, hp: _HostParam):
+        def hook(p: torch.Tensor) -> None:
+            if not (self._host_active and self._in_iter and self._planned and not self._stale):
+                return  # (the update runs when optimizer.step() ends)
+            if self._op <= hp.last_op:
+                return  # an earlier backward pass of an accumulation: not the last write
+            if hp.scheduled:
+                raise OffloadError(
+                    f"the gradient of {hp.name} was accumulated again after its host update began "
+                    "(more backward passes than the profiled iteration had); profile with the same "
+                    "number of backward passes per optimizer step")
+            q, self._quiet = self._quiet, True
+            try:
+                self._host_schedule(hp)
+            finally:
+                self._quiet = q
+        return hook
+
+    def _host_schedule(self, hp: _HostParam) -> None:
+        """Send ``hp``'s gradient to the host, drop its device bytes, start its update."""
+        p = hp.param
+        g = p.grad
+        if g is None:
+            return  # (an optimizer skips a parameter without a gradient; so do we)
+        e = self._host_entry(hp)
+        if e is None or e.ref() is None:
+            raise OffloadError(f"host step of {hp.name}: the runtime lost track of the parameter's storage")
+        events: list[Any] = []
+        state = self.optimizer.state[p]
+        if any(isinstance(v, torch.Tensor) and id(v) not in self._host_held for v in state.values()):
+            self._host_state_to_host(hp)  # load_state_dict() put device tensors there
+        # the master copy must hold the parameter's current bytes (an op wrote it since)
+        if e.state == RESIDENT and not e.synced:
+            if e.arrival is not None:
+                self._copier.wait(e.arrival)
+                e.arrival = None
+            src = _u8(e.ref(), e.nbytes)
+            events.append(self._copier.copy(e.home, src, src))
+            self._count("device->host", "host", e.nbytes)
+            e.synced = True
+        elif e.state != RESIDENT and e.tier != "home":
+            # away in the pool or the file, fetched (or being fetched) since its last update:
+            # those bytes are the master's already unless an op wrote it while resident
+            if not e.synced:
+                self._make_room(e.nbytes, [e])
+                self._ensure_resident(e)
+                src = _u8(e.ref(), e.nbytes)
+                events.append(self._copier.copy(e.home, src, src))
+                self._count("device->host", "host", e.nbytes)
+                e.synced = True
+        # the gradient: to its host buffer, then off the device
+        ge = self._entry(g)
+        if ge is not None:
+            if ge.state != RESIDENT:
+                self._make_room(ge.nbytes, [ge])
+                self._ensure_resident(ge)
+            if ge.arrival is not None:
+                self._copier.wait(ge.arrival)
+                ge.arrival = None
+            gst = ge.ref()
+            n = ge.nbytes
+            if _whole(g, n) and n == hp.grad_buf.numel() * hp.grad_buf.element_size():
+                home = _u8(hp.grad_buf.untyped_storage(), n)
+                src = _u8(gst, n)
+                events.append(self._copier.copy(home, src, src))
+                del src
+                if ge.resizable and not ge.pins and not ge.foreign:
+                    gst.resize_(0)
+                    ge.state, ge.tier, ge.home, ge.slot = AWAY, "home", home, -1
+                    self._device_bytes -= n
+                    self._lru.pop(ge.cdata, None)
+            else:  # (a view into a larger gradient buffer: copied, left where it is)
+                events.append(self._copier.copy(hp.grad_buf, g.detach(), g))
+            self._count("device->host", "host", hp.grad_buf.numel() * hp.grad_buf.element_size())
+        else:  # (not on the device: a CPU gradient of a CUDA model)
+            hp.grad_buf.copy_(g)
+        # the parameter's device bytes are obsolete from here: its home is the master copy
+        self._host_drop(e)
+        hp.scheduled = True
+        proxy = _proxy(self.optimizer, hp.group, hp.master, state)
+        hp.future = self._host_worker.submit(_update, _raw_step(self.optimizer), proxy, events)
+
+    def _host_drop(self, e: _Entry) -> None:
+        """Let go of a host-stepped parameter's device bytes (no copy: the master copy
+        is, or is about to be, newer)."""
+        if e.state == RESIDENT:
+            st = e.ref()
+            if e.arrival is not None:
+                self._copier.wait(e.arrival)
+                e.arrival = None
+            st.resize_(0)
+            self._device_bytes -= e.nbytes
+            self._lru.pop(e.cdata, None)
+        elif e.tier != "home":  # away in the pool or the file: that copy is obsolete
+            self._give_back_slots(e)
+            e.slot, e.bounce = -1, -1
+        e.state, e.tier = AWAY, "home"
+
+    def _host_wait(self, e: _Entry) -> None:
+        """Before ``e`` comes back from its home: its update must have finished."""
+        hp = self._host_by_cdata.get(e.cdata)
+        if hp is not None and hp.future is not None:
+            self._host_collect(hp)
+
+    def _host_collect(self, hp: _HostParam) -> None:
+        fut, hp.future = hp.future, None
+        t0 = time.perf_counter()
+        waited = not fut.done()
+        try:
+            dt = fut.result()
+        except Exception as err:  # the optimizer's own error, on the host
+            raise OffloadError(f"host step of {hp.name} failed: {type(err).__name__}: {err}") from err
+        if waited:
+            self.stats.host_step_wait_s += time.perf_counter() - t0
+        self.stats.host_steps += 1
+        self.stats.host_step_s += dt
+
+    def _host_finish(self, copy_back: bool = True, late: bool = True) -> None:
+        """When ``optimizer.step()`` ends: updates not started by a gradient hook start
+        now; every update is waited for; the parameters the plan holds on the device at
+        the start of an iteration are copied back (the rest come back when needed)."""
+        if not self._host_active:
+            return
+        q, self._quiet = self._quiet, True
+        try:
+            if late:  # (when a step ends, not when the host steps are given up)
+                for hp in self._host_params:
+                    if not hp.scheduled and hp.param.grad is not None:
+                        self._host_schedule(hp)
+            for hp in self._host_params:
+                if hp.future is not None:
+                    self._host_collect(hp)
+                hp.scheduled = False
+            if copy_back:
+                start_away = getattr(self, "_start_away", {})
+                for hp in self._host_params:
+                    e = self._host_entry(hp)
+                    if e is None or e.state == RESIDENT or e.tier != "home" or f"param:{hp.name}" in start_away:
+                        continue
+                    self._make_room(e.nbytes, [e])
+                    self._fetch(e)
+            self._note_peak()
+        finally:
+            self._quiet = q
+
+
+__all__ = ["HostSteps", "update_groups"]
