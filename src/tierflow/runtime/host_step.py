@@ -73,7 +73,7 @@ from ..plan import Plan
 from ..trace import Trace
 from .errors import OffloadError
 from .optim_chunks import ChunkedStep
-from .storages import AWAY, INCOMING, RESIDENT, _Entry, _u8
+from .storages import AWAY, RESIDENT, _Entry, _u8
 from .streams import Copier
 
 

@@ -212,9 +212,9 @@ class Profiling:
             name = arg
             options = dict(self._policy_options)
             if name == "tierflow":
-                # this executor follows moves only: until it runs recompute chains and
-                # host optimizer steps (issue 14's runtime side), tierflow plans moves
-                options.setdefault("levers", "move")
+                # this executor follows moves and runs host steps (runtime/host_step.py);
+                # until it runs recompute chains, tierflow plans without them
+                options.setdefault("levers", "host")
             try:
                 plan = make_plan(name, trace, hw, budget=budget, **options)
             except PlanError as e:
