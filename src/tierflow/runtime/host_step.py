@@ -83,7 +83,6 @@ class _HostParam:
 
     name: str
     param: torch.nn.Parameter
-    group: dict  # the user's param group holding it (read when an update starts)
     last_op: int  # its gradient's last backward op in the trace
     master: torch.Tensor  # the parameter's master copy on the host
     grad_buf: torch.Tensor  # its gradient's buffer on the host
@@ -235,6 +234,9 @@ class HostSteps:
         self._host_hooks: list[Any] = []
         self._host_worker: ThreadPoolExecutor | None = None
         self._host_active = False
+        self._host_groups_seen: list | None = None
+        self._host_groups_list: list = []
+        self._host_group_of: dict[int, dict] = {}
 
     # -- adopting a plan ---------------------------------------------------------------
 
@@ -284,8 +286,8 @@ class HostSteps:
         for name, grad in wanted.items():
             dev_uses = [int(u) for u in trace.uses(grad).tolist() if int(u) not in host_ops]
             chosen.append((name, named[name], dev_uses[-1] if dev_uses else -1))
-        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        if any(id(p) not in group_of for _, p, _ in chosen):
+        self._host_groups_seen = None
+        if any(self._host_group(p) is None for _, p, _ in chosen):
             self.stats.plan_error = "host steps not executed: a host-stepped parameter is in no param group"
             return
         cuda = self.device.type == "cuda"
@@ -304,7 +306,7 @@ class HostSteps:
             grad_buf = torch.empty(p.shape, dtype=g.dtype if g is not None else p.dtype, device="cpu",
                                    pin_memory=cuda)
             master.grad = grad_buf
-            hp = _HostParam(name, p, group_of[id(p)], last, master, grad_buf)
+            hp = _HostParam(name, p, last, master, grad_buf)
             self._host_state_to_host(hp)
             e.home, e.synced = _u8(master.untyped_storage(), hp.nbytes), True
             self._host_params.append(hp)
@@ -337,11 +339,30 @@ class HostSteps:
                 self._actions[i] = ()
                 self._has_moves[prev], self._has_moves[i] = True, False
 
+    def _host_group(self, p: torch.Tensor) -> dict | None:
+        """The user's param group holding ``p`` now (``load_state_dict`` makes new group
+        dicts; during a chunked step, the user's groups, not the chunk groups)."""
+        chunker = self._chunker
+        groups = chunker.user_groups if chunker is not None and chunker.user_groups is not None \
+            else self.optimizer.param_groups
+        if groups is not self._host_groups_seen or not all(
+                a is b for a, b in zip(groups, self._host_groups_list)):
+            self._host_group_of = {id(q): g for g in groups for q in g["params"]}
+            self._host_groups_seen, self._host_groups_list = groups, list(groups)
+        return self._host_group_of.get(id(p))
+
     def _host_state_to_host(self, hp: _HostParam) -> None:
         """Replace the tensors of ``optimizer.state[p]`` by host copies (state already on
-        the host, such as Adam's CPU step counter on CUDA, stays as it is)."""
+        the host, such as Adam's CPU step counter on CUDA, stays as it is). Again after
+        ``load_state_dict()`` put new tensors there: the old copies are let go."""
         state = self.optimizer.state[hp.param]
         cuda = self.device.type == "cuda"
+        current = {id(v) for v in state.values() if isinstance(v, torch.Tensor)}
+        kept = [v for v in hp.held if id(v) in current]
+        for v in hp.held:
+            if id(v) not in current:
+                self._host_held.discard(id(v))
+        hp.held = kept
         for k, v in list(state.items()):
             if not isinstance(v, torch.Tensor) or id(v) in self._host_held:
                 continue
@@ -486,7 +507,10 @@ class HostSteps:
         # the parameter's device bytes are obsolete from here: its home is the master copy
         self._host_drop(e)
         hp.scheduled = True
-        proxy = _proxy(self.optimizer, hp.group, hp.master, state)
+        group = self._host_group(p)
+        if group is None:
+            raise OffloadError(f"host step of {hp.name}: the parameter is in no param group of the optimizer any more")
+        proxy = _proxy(self.optimizer, group, hp.master, state)
         hp.future = self._host_worker.submit(_update, _raw_step(self.optimizer), proxy, events)
 
     def _host_drop(self, e: _Entry) -> None:
@@ -511,13 +535,18 @@ class HostSteps:
         if hp is not None and hp.future is not None:
             self._host_collect(hp)
 
-    def _host_collect(self, hp: _HostParam) -> None:
+    def _host_collect(self, hp: _HostParam, quiet: bool = False) -> None:
+        """Wait for ``hp``'s update; its error (the optimizer's own, on the host) as an
+        :class:`OffloadError`, or with ``quiet`` (giving the host steps up after an
+        error was raised) not at all."""
         fut, hp.future = hp.future, None
         t0 = time.perf_counter()
         waited = not fut.done()
         try:
             dt = fut.result()
-        except Exception as err:  # the optimizer's own error, on the host
+        except Exception as err:
+            if quiet:
+                return
             raise OffloadError(f"host step of {hp.name} failed: {type(err).__name__}: {err}") from err
         if waited:
             self.stats.host_step_wait_s += time.perf_counter() - t0
@@ -537,9 +566,9 @@ class HostSteps:
                     if not hp.scheduled and hp.param.grad is not None:
                         self._host_schedule(hp)
             for hp in self._host_params:
-                if hp.future is not None:
-                    self._host_collect(hp)
                 hp.scheduled = False
+                if hp.future is not None:
+                    self._host_collect(hp, quiet=not late)
             if copy_back:
                 start_away = getattr(self, "_start_away", {})
                 for hp in self._host_params:

@@ -84,6 +84,7 @@ class ChunkedStep:
         self.cap: float | None = None  # bytes per chunk; None: the step runs whole
         self.chunks = 0  # chunk groups in the last chunked step
         self.skip: set[int] = set()  # ids of parameters the step leaves out (host steps)
+        self.user_groups: list[dict] | None = None  # the user's param groups while chunk groups stand in
         self.frozen: list[list[list[int]]] | None = None  # the chunk layout, held (see freeze)
         self._inner = None
         self._installed = False
@@ -125,11 +126,24 @@ class ChunkedStep:
     def cap_for(self, budget: float) -> float | None:
         """The chunk size for ``budget``: a quarter of it, if some multi-tensor group's
         whole update (its parameters, gradients and state) exceeds half of it; else
-        None: every group fits whole, with room for its temporaries and the rest."""
+        None: every group fits whole, with room for its temporaries and the rest.
+
+        Before the first step (no gradient, no state yet: a byte budget is known when the
+        block opens) a parameter counts as what its first step will touch: itself, a
+        gradient of its size and Adam's two moments (the first step makes them), so that
+        the first step too runs in chunks where later ones will."""
         for g in self.opt.param_groups:
-            if _multi_tensor(g, self.cuda) and sum(_state_bytes(self.opt, p) for p in g["params"]) > budget / 2:
+            if _multi_tensor(g, self.cuda) and sum(self._expected_bytes(p) for p in g["params"]) > budget / 2:
                 return budget / 4
         return None
+
+    def _expected_bytes(self, p: torch.Tensor) -> int:
+        n = _state_bytes(self.opt, p)
+        if p.grad is None:
+            n += _nbytes(p)
+        if not self.opt.state.get(p):
+            n += 2 * _nbytes(p)
+        return n
 
     def freeze(self) -> None:
         """Hold the current chunk layout until :meth:`thaw` (while host steps keep some
@@ -187,10 +201,12 @@ class ChunkedStep:
                     first[-1] = c
         self.chunks = len(chunked)
         self.opt.param_groups = chunked
+        self.user_groups = groups
         try:
             return inner(*args, **kwargs)
         finally:
             self.opt.param_groups = groups
+            self.user_groups = None
             for g, c in zip(groups, first):  # settings a hook changed during the step
                 if c is None:  # (no chunk of it ran here)
                     continue
