@@ -73,7 +73,7 @@ from ..plan import Plan
 from ..trace import Trace
 from .errors import OffloadError
 from .optim_chunks import ChunkedStep
-from .storages import AWAY, RESIDENT, _Entry, _u8
+from .storages import _PLAIN, AWAY, RESIDENT, _Entry, _u8
 from .streams import Copier
 
 
@@ -89,6 +89,7 @@ class _HostParam:
     moved: dict[str, torch.device] = field(default_factory=dict)  # state keys moved to the host: from where
     held: list[torch.Tensor] = field(default_factory=list)  # its host state (keeps the ids in _host_held valid)
     future: Future | None = None  # the update in flight
+    read: Any = None  # CUDA: event of the copy back to the device reading the master copy
     scheduled: bool = False  # its update was issued in this iteration
 
     @property
@@ -237,6 +238,9 @@ class HostSteps:
         self._host_groups_seen: list | None = None
         self._host_groups_list: list = []
         self._host_group_of: dict[int, dict] = {}
+        # under torch.distributed a gradient is final only when the step begins (DDP
+        # reduces its buckets after the hooks): every update starts when the step ends
+        self._host_late = self.stats.world_size > 1
 
     # -- adopting a plan ---------------------------------------------------------------
 
@@ -258,6 +262,8 @@ class HostSteps:
             why = None
             if p is None:
                 why = f"tensor {h.param} ({key or 'no key'}) is not a parameter of the model"
+            elif type(p) not in _PLAIN:
+                why = f"parameter {name} is a {type(p).__name__} (a shard: its owner steps it)"
             elif (e := self._by_key.get(key)) is None or not e.resizable or e.foreign:
                 why = f"parameter {name} is not a storage the runtime moves"
             elif not _whole(p, e.nbytes) or (p.grad is not None and not _whole(
@@ -402,9 +408,11 @@ class HostSteps:
             if e is not None:
                 e.home = None
             state = self.optimizer.state.get(hp.param, {})
-            for k, dev in hp.moved.items():
-                v = state.get(k)
-                if isinstance(v, torch.Tensor) and v.device != dev:
+            back = [(k, v, dev) for k, dev in hp.moved.items() if isinstance(v := state.get(k), torch.Tensor)]
+            # (it counts on the device again)
+            self._make_room(sum(v.numel() * v.element_size() for _, v, _ in back), [])
+            for k, v, dev in back:
+                if v.device != dev:
                     state[k] = v.to(dev)
         self._host_params.clear()
         self._host_by_cdata.clear()
@@ -430,7 +438,7 @@ class HostSteps:
 
     def _host_hook(self, hp: _HostParam):
         def hook(p: torch.Tensor) -> None:
-            if not (self._host_active and self._in_iter and self._planned and not self._stale):
+            if not (self._host_active and self._in_iter and self._planned and not self._stale) or self._host_late:
                 return  # (the update runs when optimizer.step() ends)
             if self._op <= hp.last_op:
                 return  # an earlier backward pass of an accumulation: not the last write
@@ -455,7 +463,8 @@ class HostSteps:
         e = self._host_entry(hp)
         if e is None or e.ref() is None:
             raise OffloadError(f"host step of {hp.name}: the runtime lost track of the parameter's storage")
-        events: list[Any] = []
+        events: list[Any] = [hp.read] if hp.read is not None else []  # (the update rewrites the master)
+        hp.read = None
         state = self.optimizer.state[p]
         if any(isinstance(v, torch.Tensor) and id(v) not in self._host_held for v in state.values()):
             self._host_state_to_host(hp)  # load_state_dict() put device tensors there
@@ -534,6 +543,13 @@ class HostSteps:
         hp = self._host_by_cdata.get(e.cdata)
         if hp is not None and hp.future is not None:
             self._host_collect(hp)
+
+    def _host_read(self, e: _Entry, event: Any) -> None:
+        """``e`` is being copied back from its home (``event`` completes the copy): the
+        next update must not write the master copy before that."""
+        hp = self._host_by_cdata.get(e.cdata)
+        if hp is not None and event is not None:
+            hp.read = event
 
     def _host_collect(self, hp: _HostParam, quiet: bool = False) -> None:
         """Wait for ``hp``'s update; its error (the optimizer's own, on the host) as an

@@ -180,6 +180,7 @@ class Moves:
             st.resize_(n)
             dst = _u8(st, n)
             ev = self._copier.copy(dst, e.home, dst)
+            self._host_read(e, ev)
             e.synced = True
         else:
             assert self._ssd is not None
