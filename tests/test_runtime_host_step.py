@@ -6,6 +6,7 @@ optimizer object, its ``state_dict()`` and an LR scheduler working as without ti
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -204,6 +205,33 @@ def test_gradient_accumulation_updates_once_per_step():
     s = run.stats
     assert s.stale_plans == 0 and s.host_steps >= s.host_stepped_params * s.planned_steps > 0
     assert s.host_steps == s.host_stepped_params * (s.planned_steps + s.steps - s.planned_steps - s.profiled_steps)
+
+
+def test_a_parameter_written_between_steps_is_updated_from_its_new_value():
+    """Writing a host-stepped parameter between steps (a checkpoint restored, weights
+    clipped), inside ``untracked()`` or not: its host update starts from the new value."""
+    def run_loop(m, opt, batches, run=None):
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            loss = m.loss_fn(m.model(x), y)
+            loss.backward()
+            losses.append(loss.detach().clone())
+            opt.step()
+            opt.zero_grad()
+            p = next(m.model.parameters())
+            with torch.no_grad(), (run.untracked() if run is not None and i % 2 else contextlib.nullcontext()):
+                p.mul_(0.5)
+        return losses
+
+    m0, o0 = _build("gpt-tiny")
+    batches = [m0.make_batch(4)] * 8
+    ref = run_loop(m0, o0, batches)
+    m1, o1 = _build("gpt-tiny")
+    with offload(m1.model, o1, budget=GPT_BUDGET, policy="zero_offload", policy_options=ZERO) as run:
+        got = run_loop(m1, o1, batches, run)
+    assert run.stats.host_steps > 0 and run.stats.stale_plans == 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    _assert_same_model(m0, o0, m1, o1)
 
 
 def _slow_link_hardware() -> Hardware:

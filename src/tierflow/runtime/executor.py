@@ -477,6 +477,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling, HostSteps):
                 if e is not None:
                     self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
                     self._ensure_resident(e)
+                    if e.home is not None and _WRITES.get(func) != ():  # [host steps] (a master copy gone stale?)
+                        self._host_written(func, args, kwargs)
             return func(*args, **kwargs)
         name = _op_name(func)
         special = _op_kind(func, name)

@@ -73,7 +73,7 @@ from ..plan import Plan
 from ..trace import Trace
 from .errors import OffloadError
 from .optim_chunks import ChunkedStep
-from .storages import _PLAIN, AWAY, RESIDENT, _Entry, _u8
+from .storages import _PLAIN, AWAY, RESIDENT, _Entry, _u8, _written_args
 from .streams import Copier
 
 
@@ -543,6 +543,27 @@ class HostSteps:
         hp = self._host_by_cdata.get(e.cdata)
         if hp is not None and hp.future is not None:
             self._host_collect(hp)
+
+    def _host_written(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """An untracked op writes its arguments: a host-stepped parameter among them has
+        a stale master copy now (tracked ops mark it where they account what they wrote)."""
+        for t in _written_args(func, args, kwargs):
+            e = self._entries.get(t.untyped_storage()._cdata) if t.device.type == self.device.type else None
+            if e is not None and e.home is not None:
+                e.synced = False
+
+    def _host_evict(self, e: _Entry) -> bool:
+        """Evict a host-stepped parameter whose master copy on the host is current: no
+        copy, its home holds the bytes (a plan's eviction, or one the budget forces)."""
+        if not (self._host_active and e.synced and e.state == RESIDENT and e.cdata in self._host_by_cdata):
+            return False
+        st = e.ref()
+        if st is None or st.nbytes() != e.nbytes or e.pins:
+            return False
+        self._host_drop(e)
+        k = f"{e.kind}@host"
+        self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
+        return True
 
     def _host_read(self, e: _Entry, event: Any) -> None:
         """``e`` is being copied back from its home (``event`` completes the copy): the

@@ -60,6 +60,8 @@ class Moves:
         st = e.ref()
         if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
             return False
+        if e.home is not None and self._host_evict(e):  # a host step's master copy has the bytes
+            return True
         if e.pins and not self._unpin(e):
             self.stats.busy_refusals += 1
             return False
