@@ -160,3 +160,16 @@ def test_train_accepts_the_multi_tensor_optimizers():
     res = train("gpt-tiny", budget="30%", steps=5, optimizer="sgd-foreach", check_parity=True)
     assert res.parity, res.parity_detail
     assert res.stats.optimizer_chunks > 1
+
+
+@pytest.mark.parametrize("kind", ["adamw-foreach", "adamw-fused"])
+def test_a_byte_budget_chunks_the_first_step_too(kind):
+    """A budget in bytes is known before the first step, whose state does not exist yet:
+    the chunk size counts the state that step makes, so every step, the first included,
+    stays within the budget (gpt-tiny: 2.26 MiB of parameters, gradients and moments)."""
+    budget = int(2.5 * 2**20)
+    plain = _train(OPTIMIZERS[kind])
+    model, opt, losses, grads, lrs, run = _train(OPTIMIZERS[kind], budget=budget, policy="lru")
+    _assert_same(plain, (model, opt, losses, grads, lrs, run))
+    assert run.stats.peak_device_bytes <= budget
+    assert run.stats.optimizer_chunks > 1
