@@ -234,6 +234,50 @@ def test_a_parameter_written_between_steps_is_updated_from_its_new_value():
     _assert_same_model(m0, o0, m1, o1)
 
 
+def _clipped(m, opt, batches, clip_every: int):
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = m.loss_fn(m.model(x), y)
+        loss.backward()
+        if i % clip_every == 0:
+            torch.nn.utils.clip_grad_norm_(m.model.parameters(), 0.05)
+        losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _clip_pair(clip_every: int, **kw):
+    m0, o0 = _build("gpt-tiny")
+    batches = [m0.make_batch(4)] * STEPS
+    ref = _clipped(m0, o0, batches, clip_every)
+    m1, o1 = _build("gpt-tiny")
+    with offload(m1.model, o1, budget=GPT_BUDGET, policy="zero_offload", policy_options=ZERO, **kw) as run:
+        got = _clipped(m1, o1, batches, clip_every)
+    return run, ref, got, (m0, o0), (m1, o1)
+
+
+def test_gradients_clipped_every_step_are_updated_clipped():
+    """Clipping after backward on every step (the profile saw it): the updates start
+    when the step runs, with the clipped gradients; bitwise equal."""
+    run, ref, got, a, b = _clip_pair(1)
+    assert run.stats.host_steps > 0 and run.stats.stale_plans == 0
+    assert all(torch.equal(x, y) for x, y in zip(ref, got))
+    _assert_same_model(*a, *b)
+
+
+def test_gradients_clipped_on_some_steps_only():
+    """Clipping on some steps only: updates begun in backward would miss it; the run
+    says so (OffloadError); with ``host_step_overlap=False`` updates wait for the step
+    and training is bitwise equal."""
+    with pytest.raises(OffloadError, match="changed after backward"):
+        _clip_pair(5)
+    run, ref, got, a, b = _clip_pair(5, host_step_overlap=False)
+    assert run.stats.host_steps > 0
+    assert all(torch.equal(x, y) for x, y in zip(ref, got))
+    _assert_same_model(*a, *b)
+
+
 def _slow_link_hardware() -> Hardware:
     """A machine whose link is slow next to its host's optimizer: moving Adam's state
     each step costs more than sending gradients down and parameters up."""

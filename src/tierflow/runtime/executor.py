@@ -162,6 +162,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling, HostSteps):
         io_workers: int = 2,
         policy_options: dict[str, Any] | None = None,
         sync_ranks: bool = True,
+        host_step_overlap: bool = True,
     ):
         self.model, self.optimizer = model, optimizer
         p = next(model.parameters(), None)
@@ -182,6 +183,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Profiling, HostSteps):
         self._host_bytes, self._ssd_bytes = host_bytes, ssd_bytes
         self._io_workers = io_workers
         self._sync_ranks = sync_ranks
+        self._host_overlap = host_step_overlap  # [host steps] start updates in backward
         self._sync: Any = None  # a distributed.RankSync while the block is open, with >1 ranks
         self._copy_bw: float | None = None  # agreed by the ranks before planning
         self.stats = RunStats(budget_bytes=self.budget)
@@ -759,6 +761,12 @@ def offload(
             each rank opens its own ``offload``), plan from one trace on every rank and
             check that the plans agree (see :mod:`tierflow.runtime.distributed`);
             ``False``: each rank plans alone, and the runtime calls no collective.
+        host_step_overlap: for plans that step the optimizer on the host: start a
+            parameter's update as soon as backward has made its gradient, overlapped with
+            the rest of backward (``True``), or when ``optimizer.step()`` runs
+            (``False``: for loops that change gradients after ``backward()`` on some steps
+            only, which an update already under way would miss; see
+            :mod:`tierflow.runtime.host_step`).
 
     Returns:
         A :class:`Run`; use it as a context manager.

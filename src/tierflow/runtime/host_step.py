@@ -45,9 +45,17 @@ user's optimizer object stays the one they made:
   ``step()`` — parameters, ``state_dict()``, a scheduler's view — exactly as without
   tierflow.
 
-When a host update cannot start at its gradient's hook (the iteration departed from
-the trace, or gradients are accumulated over more backward passes than the trace has),
-it runs when ``optimizer.step()`` ends: later, never wrong. A parameter whose master
+When an update starts. At its gradient's hook only if the iteration follows its trace
+and the trace has no device op using the gradient after that point (a loop that clips
+or unscales gradients after ``backward()`` has such ops: its updates start when
+``optimizer.step()`` ends, with the gradients as the loop left them); otherwise, and
+with ``offload(..., host_step_overlap=False)``, when the step ends. An iteration that
+departs from its trace takes back the updates still queued. One that changes a
+gradient after backward although its profile did not (clipping on some steps only)
+after that gradient's update began cannot be made right: ``optimizer.step()`` raises
+:class:`~tierflow.runtime.OffloadError` saying so (``host_step_overlap=False`` is the
+remedy); gradients accumulated over more backward passes than the profile had raise
+it at the extra pass. A parameter whose master
 copy may be stale (an op wrote the parameter on the device since its last update, e.g.
 a checkpoint restored into the model) is copied to the host before its update.
 
@@ -91,6 +99,8 @@ class _HostParam:
     future: Future | None = None  # the update in flight
     read: Any = None  # CUDA: event of the copy back to the device reading the master copy
     scheduled: bool = False  # its update was issued in this iteration
+    early: bool = False  # ... by its gradient's hook, in backward
+    grad_entry: _Entry | None = None  # the gradient the update read (sent to its home)
 
     @property
     def nbytes(self) -> int:
@@ -240,7 +250,7 @@ class HostSteps:
         self._host_group_of: dict[int, dict] = {}
         # under torch.distributed a gradient is final only when the step begins (DDP
         # reduces its buckets after the hooks): every update starts when the step ends
-        self._host_late = self.stats.world_size > 1
+        self._host_late = self.stats.world_size > 1 or not getattr(self, "_host_overlap", True)
 
     # -- adopting a plan ---------------------------------------------------------------
 
@@ -450,6 +460,7 @@ class HostSteps:
             q, self._quiet = self._quiet, True
             try:
                 self._host_schedule(hp)
+                hp.early = True
             finally:
                 self._quiet = q
         return hook
@@ -498,6 +509,8 @@ class HostSteps:
                 ge.arrival = None
             gst = ge.ref()
             n = ge.nbytes
+            ge.synced = True  # (an op that writes it from here on: see _host_finish)
+            hp.grad_entry = ge
             if _whole(g, n) and n == hp.grad_buf.numel() * hp.grad_buf.element_size():
                 home = _u8(hp.grad_buf.untyped_storage(), n)
                 src = _u8(gst, n)
@@ -543,6 +556,14 @@ class HostSteps:
         hp = self._host_by_cdata.get(e.cdata)
         if hp is not None and hp.future is not None:
             self._host_collect(hp)
+
+    def _host_departed(self) -> None:
+        """The iteration departed from its trace: updates queued and not yet begun are
+        taken back, to start when the step ends (with the gradients as they are then);
+        those already begun are checked then (see :meth:`_host_finish`)."""
+        for hp in self._host_params:
+            if hp.future is not None and hp.future.cancel():
+                hp.future, hp.scheduled, hp.early, hp.grad_entry = None, False, False, None
 
     def _host_written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """An untracked op writes its arguments: a host-stepped parameter among them has
@@ -602,10 +623,20 @@ class HostSteps:
                 for hp in self._host_params:
                     if not hp.scheduled and hp.param.grad is not None:
                         self._host_schedule(hp)
+            changed = []
             for hp in self._host_params:
-                hp.scheduled = False
+                if hp.early and hp.grad_entry is not None and not hp.grad_entry.synced:
+                    changed.append(hp.name)
+                hp.scheduled = hp.early = False
+                hp.grad_entry = None
                 if hp.future is not None:
                     self._host_collect(hp, quiet=not late)
+            if changed and late:
+                raise OffloadError(
+                    f"the gradients of {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} were changed "
+                    "after backward (clipping, unscaling) in an iteration whose profile did not change them, "
+                    "after their host updates had begun: those updates used the gradients as backward left "
+                    "them. Change gradients the same way on every step, or pass host_step_overlap=False")
             if copy_back:
                 start_away = getattr(self, "_start_away", {})
                 for hp in self._host_params:
