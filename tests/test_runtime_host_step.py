@@ -126,7 +126,10 @@ def test_zero_offload_parity_within_the_budget(model, budget, tmp_path):
     _host_stepped(run)
     s = run.stats
     assert s.policy == "zero_offload"
-    assert s.host_stepped_params == len(list(zoo.build(model, seed=0).model.parameters()))
+    params = list(zoo.build(model, seed=0).model.parameters())
+    assert s.host_stepped_params == len(params)
+    # on the host: master copies, gradient buffers, AdamW's two moments, its step counters
+    assert s.host_step_bytes == 4 * sum(p.numel() * p.element_size() for p in params) + 4 * len(params)
     assert s.transfers["device->host"] > 0 and s.transfers["host->device"] > 0
 
 

@@ -333,6 +333,8 @@ class HostSteps:
             self._host_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-host-step")
         self._host_active = True
         self.stats.host_stepped_params = len(self._host_params)
+        self.stats.host_step_bytes = sum(
+            2 * hp.nbytes + sum(v.numel() * v.element_size() for v in hp.held) for hp in self._host_params)
         self._host_follow_tables(trace, host_ops)
 
     def _host_follow_tables(self, trace: Trace, host_ops: set[int]) -> None:
@@ -529,6 +531,10 @@ class HostSteps:
         # the parameter's device bytes are obsolete from here: its home is the master copy
         self._host_drop(e)
         hp.scheduled = True
+        if getattr(self.optimizer, "grad_scale", None) is not None or getattr(self.optimizer, "found_inf", None) is not None:
+            raise OffloadError(
+                f"host step of {hp.name}: the optimizer unscales gradients inside its step (AMP's GradScaler "
+                "with a fused optimizer), which host steps do not support; use a policy without host steps")
         group = self._host_group(p)
         if group is None:
             raise OffloadError(f"host step of {hp.name}: the parameter is in no param group of the optimizer any more")

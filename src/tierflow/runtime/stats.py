@@ -70,6 +70,8 @@ class RunStats:
             (overlapped with backward and the device-side step).
         host_step_wait_s: seconds the training thread waited for host updates (when
             ``optimizer.step()`` ends, or a parameter was needed before its update ended).
+        host_step_bytes: host memory the host steps hold outside the host pool (master
+            copies, gradient buffers, optimizer state; pinned on CUDA).
     """
 
     steps: int = 0
@@ -109,6 +111,7 @@ class RunStats:
     host_steps: int = 0
     host_step_s: float = 0.0
     host_step_wait_s: float = 0.0
+    host_step_bytes: int = 0
     blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
     rank: int = 0
