@@ -281,6 +281,15 @@ def test_gradients_clipped_on_some_steps_only():
     _assert_same_model(*a, *b)
 
 
+def test_without_overlap_gradients_still_leave_in_backward():
+    """``host_step_overlap=False``: updates start at the step, but gradients still go to
+    the host as backward makes them: the same device peak as with overlap, bitwise."""
+    with_overlap, _, _ = _pair("gpt-tiny", "adamw", GPT_BUDGET)
+    run, _, _ = _pair("gpt-tiny", "adamw", GPT_BUDGET, host_step_overlap=False)
+    _host_stepped(run)
+    assert run.stats.peak_device_bytes == with_overlap.stats.peak_device_bytes
+
+
 def _slow_link_hardware() -> Hardware:
     """A machine whose link is slow next to its host's optimizer: moving Adam's state
     each step costs more than sending gradients down and parameters up."""

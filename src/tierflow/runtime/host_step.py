@@ -45,11 +45,14 @@ user's optimizer object stays the one they made:
   ``step()`` — parameters, ``state_dict()``, a scheduler's view — exactly as without
   tierflow.
 
-When an update starts. At its gradient's hook only if the iteration follows its trace
-and the trace has no device op using the gradient after that point (a loop that clips
-or unscales gradients after ``backward()`` has such ops: its updates start when
-``optimizer.step()`` ends, with the gradients as the loop left them); otherwise, and
-with ``offload(..., host_step_overlap=False)``, when the step ends. An iteration that
+When a gradient leaves and its update starts. At the gradient's hook only if the
+iteration follows its trace and the trace has no device op using the gradient after
+that point (a loop that clips or unscales gradients after ``backward()`` has such ops:
+its gradients leave and its updates start when ``optimizer.step()`` ends, as the loop
+left them); otherwise when the step ends. With ``offload(..., host_step_overlap=False)``
+gradients still leave at their hook, and an update starts when the step ends (a
+gradient changed after it left is sent again). Under ``torch.distributed`` everything
+waits for the step (DDP reduces gradients after their hooks). An iteration that
 departs from its trace takes back the updates still queued. One that changes a
 gradient after backward although its profile did not (clipping on some steps only)
 after that gradient's update began cannot be made right: ``optimizer.step()`` raises
@@ -81,7 +84,7 @@ from ..plan import Plan
 from ..trace import Trace
 from .errors import OffloadError
 from .optim_chunks import ChunkedStep
-from .storages import _PLAIN, AWAY, RESIDENT, _Entry, _u8, _written_args
+from .storages import _PLAIN, AWAY, RESIDENT, _Entry, _plain, _u8, _written_args
 from .streams import Copier
 
 
@@ -98,9 +101,11 @@ class _HostParam:
     held: list[torch.Tensor] = field(default_factory=list)  # its host state (keeps the ids in _host_held valid)
     future: Future | None = None  # the update in flight
     read: Any = None  # CUDA: event of the copy back to the device reading the master copy
-    scheduled: bool = False  # its update was issued in this iteration
+    sent: bool = False  # its gradient went to the host in this iteration
+    started: bool = False  # its update started in this iteration
     early: bool = False  # ... by its gradient's hook, in backward
-    grad_entry: _Entry | None = None  # the gradient the update read (sent to its home)
+    grad_entry: _Entry | None = None  # the gradient sent (to its home)
+    events: list = field(default_factory=list)  # CUDA: copies the update must wait for
 
     @property
     def nbytes(self) -> int:
@@ -250,7 +255,8 @@ class HostSteps:
         self._host_group_of: dict[int, dict] = {}
         # under torch.distributed a gradient is final only when the step begins (DDP
         # reduces its buckets after the hooks): every update starts when the step ends
-        self._host_late = self.stats.world_size > 1 or not getattr(self, "_host_overlap", True)
+        self._host_late = self.stats.world_size > 1
+        self._host_overlap = getattr(self, "_host_overlap", True)
 
     # -- adopting a plan ---------------------------------------------------------------
 
@@ -451,38 +457,46 @@ class HostSteps:
     def _host_hook(self, hp: _HostParam):
         def hook(p: torch.Tensor) -> None:
             if not (self._host_active and self._in_iter and self._planned and not self._stale) or self._host_late:
-                return  # (the update runs when optimizer.step() ends)
+                return  # (sent and updated when optimizer.step() ends)
             if self._op <= hp.last_op:
-                return  # an earlier backward pass of an accumulation: not the last write
-            if hp.scheduled:
+                return  # not its last write yet (an earlier pass of an accumulation), or the
+                # trace has device ops reading it after backward (clipping): at the step
+            if hp.future is not None or hp.started:
                 raise OffloadError(
                     f"the gradient of {hp.name} was accumulated again after its host update began "
                     "(more backward passes than the profiled iteration had); profile with the same "
-                    "number of backward passes per optimizer step")
+                    "number of backward passes per optimizer step, or pass host_step_overlap=False")
             q, self._quiet = self._quiet, True
             try:
-                self._host_schedule(hp)
-                hp.early = True
+                self._host_send(hp)
+                if self._host_overlap:
+                    self._host_start(hp)
+                    hp.early = True
             finally:
                 self._quiet = q
         return hook
 
-    def _host_schedule(self, hp: _HostParam) -> None:
-        """Send ``hp``'s gradient to the host, drop its device bytes, start its update."""
+    def _host_send(self, hp: _HostParam) -> None:
+        """Send ``hp``'s gradient to its host buffer (and off the device), make sure the
+        master copy holds the parameter's bytes, and drop those from the device: from
+        here the parameter's home is its master copy."""
         p = hp.param
         g = p.grad
-        if g is None:
-            return  # (an optimizer skips a parameter without a gradient; so do we)
         e = self._host_entry(hp)
         if e is None or e.ref() is None:
             raise OffloadError(f"host step of {hp.name}: the runtime lost track of the parameter's storage")
-        events: list[Any] = [hp.read] if hp.read is not None else []  # (the update rewrites the master)
-        hp.read = None
+        events = hp.events
+        if hp.read is not None:  # (the update rewrites the master copy the copy back reads)
+            events.append(hp.read)
+            hp.read = None
         state = self.optimizer.state[p]
         if any(isinstance(v, torch.Tensor) and id(v) not in self._host_held for v in state.values()):
             self._host_state_to_host(hp)  # load_state_dict() put device tensors there
         # the master copy must hold the parameter's current bytes (an op wrote it since)
-        if e.state == RESIDENT and not e.synced:
+        if not e.synced and e.tier != "home":
+            if e.state != RESIDENT:  # (away in the pool or the file: those bytes are the new ones)
+                self._make_room(e.nbytes, [e])
+                self._ensure_resident(e)
             if e.arrival is not None:
                 self._copier.wait(e.arrival)
                 e.arrival = None
@@ -490,16 +504,6 @@ class HostSteps:
             events.append(self._copier.copy(e.home, src, src))
             self._count("device->host", "host", e.nbytes)
             e.synced = True
-        elif e.state != RESIDENT and e.tier != "home":
-            # away in the pool or the file, fetched (or being fetched) since its last update:
-            # those bytes are the master's already unless an op wrote it while resident
-            if not e.synced:
-                self._make_room(e.nbytes, [e])
-                self._ensure_resident(e)
-                src = _u8(e.ref(), e.nbytes)
-                events.append(self._copier.copy(e.home, src, src))
-                self._count("device->host", "host", e.nbytes)
-                e.synced = True
         # the gradient: to its host buffer, then off the device
         ge = self._entry(g)
         if ge is not None:
@@ -511,8 +515,6 @@ class HostSteps:
                 ge.arrival = None
             gst = ge.ref()
             n = ge.nbytes
-            ge.synced = True  # (an op that writes it from here on: see _host_finish)
-            hp.grad_entry = ge
             if _whole(g, n) and n == hp.grad_buf.numel() * hp.grad_buf.element_size():
                 home = _u8(hp.grad_buf.untyped_storage(), n)
                 src = _u8(gst, n)
@@ -526,20 +528,36 @@ class HostSteps:
             else:  # (a view into a larger gradient buffer: copied, left where it is)
                 events.append(self._copier.copy(hp.grad_buf, g.detach(), g))
             self._count("device->host", "host", hp.grad_buf.numel() * hp.grad_buf.element_size())
+            ge.synced = True  # (an op that writes it from here on makes this copy stale)
         else:  # (not on the device: a CPU gradient of a CUDA model)
             hp.grad_buf.copy_(g)
-        # the parameter's device bytes are obsolete from here: its home is the master copy
+        hp.grad_entry = ge
+        hp.sent = True
         self._host_drop(e)
-        hp.scheduled = True
-        if getattr(self.optimizer, "grad_scale", None) is not None or getattr(self.optimizer, "found_inf", None) is not None:
+
+    def _host_start(self, hp: _HostParam) -> None:
+        """Start ``hp``'s update on the worker (its gradient sent)."""
+        opt = self.optimizer
+        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
             raise OffloadError(
                 f"host step of {hp.name}: the optimizer unscales gradients inside its step (AMP's GradScaler "
                 "with a fused optimizer), which host steps do not support; use a policy without host steps")
-        group = self._host_group(p)
+        group = self._host_group(hp.param)
         if group is None:
             raise OffloadError(f"host step of {hp.name}: the parameter is in no param group of the optimizer any more")
-        proxy = _proxy(self.optimizer, group, hp.master, state)
-        hp.future = self._host_worker.submit(_update, _raw_step(self.optimizer), proxy, events)
+        proxy = _proxy(opt, group, hp.master, opt.state[hp.param])
+        events, hp.events = hp.events, []
+        hp.future = self._host_worker.submit(_update, _raw_step(opt), proxy, events)
+        hp.started = True
+
+    def _host_grad_stale(self, hp: _HostParam) -> bool:
+        """Whether the gradient sent for ``hp`` is not the one ``p.grad`` holds now (an op
+        wrote it since, or another tensor took its place)."""
+        g = hp.param.grad
+        ge = hp.grad_entry
+        if ge is None or g is None:
+            return g is not None
+        return not ge.synced or self._entries.get(_plain(g).untyped_storage()._cdata) is not ge
 
     def _host_drop(self, e: _Entry) -> None:
         """Let go of a host-stepped parameter's device bytes (no copy: the master copy
@@ -569,7 +587,7 @@ class HostSteps:
         those already begun are checked then (see :meth:`_host_finish`)."""
         for hp in self._host_params:
             if hp.future is not None and hp.future.cancel():
-                hp.future, hp.scheduled, hp.early, hp.grad_entry = None, False, False, None
+                hp.future, hp.started, hp.early = None, False, False
 
     def _host_written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """An untracked op writes its arguments: a host-stepped parameter among them has
@@ -625,16 +643,18 @@ class HostSteps:
             return
         q, self._quiet = self._quiet, True
         try:
+            changed = [hp.name for hp in self._host_params if hp.early and self._host_grad_stale(hp)]
             if late:  # (when a step ends, not when the host steps are given up)
                 for hp in self._host_params:
-                    if not hp.scheduled and hp.param.grad is not None:
-                        self._host_schedule(hp)
-            changed = []
+                    if hp.started or hp.param.grad is None:
+                        continue  # (an optimizer skips a parameter without a gradient; so do we)
+                    if not hp.sent or self._host_grad_stale(hp):
+                        self._host_send(hp)
+                    self._host_start(hp)
             for hp in self._host_params:
-                if hp.early and hp.grad_entry is not None and not hp.grad_entry.synced:
-                    changed.append(hp.name)
-                hp.scheduled = hp.early = False
+                hp.sent = hp.started = hp.early = False
                 hp.grad_entry = None
+                hp.events = []
                 if hp.future is not None:
                     self._host_collect(hp, quiet=not late)
             if changed and late:
