@@ -22,8 +22,12 @@ from tierflow.runtime import BudgetError, SSDError, offload, roundtrip_plan, tra
 from tierflow.runtime.tiers import Arena, SSDStore, clean_stale
 
 MODELS = ("gpt-tiny", "vit-tiny", "resnet-tiny")
-# SINGA only swaps blocks of at least 1 MB (the paper's threshold): scaled to tiny models
-OPTIONS = {"singa": {"min_bytes": 4096}}
+# SINGA only swaps blocks of at least 1 MB (the paper's threshold): scaled to tiny models;
+# DeepSpeed's 5e8-element gradient bucket, likewise (the ZeRO peers then plan host steps,
+# which the runtime executes)
+_BUCKET = {"reduce_bucket_size": 1000}
+OPTIONS = {"singa": {"min_bytes": 4096}, "zero_offload": _BUCKET, "zero_offload+checkpoint": _BUCKET,
+           "zero_infinity": _BUCKET}
 
 
 @pytest.fixture(autouse=True, scope="module")

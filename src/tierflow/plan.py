@@ -125,6 +125,15 @@ class HostStep:
     A ``foreach``/fused op that updates several host-stepped parameters is listed in
     each of their host steps (it is one op: it leaves the device once).
 
+    Clarified (what the runtime executes, :mod:`tierflow.runtime.host_step`): the host
+    runs the parameter's whole update, as the optimizer's step does it for that
+    parameter. Optimizer ops that touch only the parameter's optimizer state (its step
+    counter, a device tensor in CPU mode) or no device tensor at all (the counter on the
+    CPU, read with ``.item()``) run on the host too, even where a plan leaves them and
+    their tensors out of ``ops`` and ``state`` (the ZeRO peers and tierflow's levers do
+    where such ops form a unit of their own); such a plan is then predicted with them on
+    the device, a difference of a few bytes and microseconds per parameter.
+
     Attributes:
         param: the parameter's tensor id.
         grad: its gradient's tensor id.

@@ -140,6 +140,12 @@ def _train(args: argparse.Namespace) -> int:
         ("stalls (on-demand fetches)", f"{s.stalls} ({fmt_seconds(s.stall_s)})"),
         ("planned moves / unplanned evictions", f"{s.planned_moves} / {s.unplanned_evictions}"),
         ("stale plans / plans made", f"{s.stale_plans} / {s.replans}"),
+    ]
+    if s.host_steps:
+        rows.append(("host optimizer steps (params, updates)",
+                     f"{s.host_stepped_params}, {s.host_steps}: {fmt_seconds(s.host_step_s)} on the host, "
+                     f"{fmt_seconds(s.host_step_wait_s)} waited"))
+    rows += [
         ("parity with plain PyTorch", "not checked" if res.parity is None else
          ("bitwise equal" if res.parity else f"DIFFERS: {res.parity_detail}")),
     ]

@@ -69,7 +69,7 @@ from ..trace import Trace
 from ..units import parse_bytes
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
-from .host_step import HostStepping
+from .host_step import HostSteps
 from .moves import Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
@@ -87,6 +87,7 @@ from .storages import (
     _op_name,
     _storage_bytes,
     _unwrap,
+    _write_spots,
     _written_args,
     _written_at,
 )
@@ -149,7 +150,7 @@ class _Mode(TorchDispatchMode):
             run._quiet = False
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Profiling, OpFacts):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling, OpFacts):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -169,6 +170,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         io_workers: int = 2,
         policy_options: dict[str, Any] | None = None,
         sync_ranks: bool = True,
+        host_step_overlap: bool = True,
     ):
         self.model, self.optimizer = model, optimizer
         p = next(model.parameters(), None)
@@ -190,6 +192,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._move_s: float | None = None  # CPU mode: one move's cost, measured once (moves._probe_move_s)
         self._io_workers = io_workers
         self._sync_ranks = sync_ranks
+        self._host_overlap = host_step_overlap  # [host steps] start updates in backward
         self._sync: Any = None  # a distributed.RankSync while the block is open, with >1 ranks
         self._copy_bw: float | None = None  # agreed by the ranks before planning
         self.stats = RunStats(budget_bytes=self.budget)
@@ -223,9 +226,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._copier = Copier(self.device)
         self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
         self._entries: dict[int, _Entry] = {}
-        self._host_params: dict[int, Any] = {}  # host steps in force: id(param) -> _HostParam
-        self._host_plan: list = []
-        self._host_skip = self._host_skip_now = None
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
         self._by_key: dict[str, _Entry] = {}
         self._dead: deque[int] = deque()
@@ -268,6 +268,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._dropped_in: dict[int, int] = {}  # recompute: dropped storage -> its chain
 
         self._chunker: ChunkedStep | None = None
+        self._host_init()  # [host steps] (runtime/host_step.py)
         if self.optimizer is not None:
             chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")
             if chunker.wanted:  # foreach/fused groups: stepped in chunks that fit the budget
@@ -297,10 +298,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
             self._saved.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
-            if self._host_params:  # the optimizer state back on the device, as the user had it
-                self._host_teardown()
             for h in self._hooks:
                 h.remove()
+            self._host_close()  # [host steps] updates finished, state back where it was
             if self._chunker is not None:
                 self._chunker.uninstall()
             # bring everything home: the model and optimizer are whole again after the block
@@ -356,6 +356,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         self._recording = self._need_profile or self.plan is None
         self._planned = not self._recording and self.plan is not None and not self.plan.reactive
         self._hinted = not self._recording and self.plan is not None and self.plan.reactive
+        if self._recording and self._host_active:  # [host steps] a profile sees the whole step on the device
+            self._host_release()
         # following a plan, only the tensors the plan names are identified (by _bind):
         # their trace ids index this list; profiling, every tensor in order of first use
         self._iter_entries: list[_Entry | None] = [] if self._recording else [None] * self._n_tensors
@@ -363,7 +365,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         # the lean per-op path (a planned plan, or a reactive one's hints), until the
         # iteration departs from the trace
         self._fast = self._planned or self._hinted
-        self._host_steps_begin()
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -391,6 +392,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
     def end_iteration(self) -> None:
         """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
         call it yourself only when training without an optimizer."""
+        self._host_finish()  # [host steps] every host update done, parameters back
         if not self._in_iter:
             return
         self._facts_end()
@@ -409,8 +411,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
         else:  # a share budget: the profile iteration that measured the peak ran without one
             st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._iter_peak)
-        if self._host_skip_now is not None and (self._planned or self._hinted) and not self._stale:
-            self._skip_host_ops(self._op)  # (the trace's last ops may be host-stepped ones)
         if self._planned and not self._stale and self._op != self.trace.n_ops:
             self._mark_stale(f"the iteration ran {self._op} ops, the trace has {self.trace.n_ops}")
         want = self._recording and not self._warmup
@@ -501,6 +501,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
                 if e is not None:
                     self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
                     self._ensure_resident(e)
+                    if e.home is not None and _write_spots(func):  # [host steps] (a master copy gone stale?)
+                        self._host_written(func, args, kwargs)
             return func(*args, **kwargs)
         name = _op_name(func)
         special = _op_kind(func, name)
@@ -510,8 +512,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         in_iter = self._in_iter
         i = self._op if in_iter else -1
         following = in_iter and self._follows()
-        if following and self._host_skip_now is not None and i < self._n_ops and self._host_skip_now[i]:
-            i = self._skip_host_ops(i)
         if following and (i >= self._n_ops or self._funcs[i] is not func):
             self._mark_stale(f"op {i}: ran {name}, the trace has "
                              + (self.trace.ops[i].name if i < self._n_ops else "the end of the iteration"))
@@ -568,7 +568,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         if in_iter:
             if following and not self._stale:
                 self._fire(i, hints=self._hinted)
-            self._op += 1
+            self._op = self._next_op[i] if following else self._op + 1  # [host steps] past host ops
         return out
 
     def _follows(self) -> bool:
@@ -620,13 +620,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
         names them (by their position in the op, from the profiled iteration), and the
         moves after it come from a per-op table."""
         i = self._op
-        if self._host_skip_now is not None and i < self._n_ops and self._host_skip_now[i]:
-            i = self._skip_host_ops(i)
         if i >= self._n_ops or self._fast_funcs[i] is not func:
             return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
         if self._trivial[i]:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
             out = func(*args, **kwargs)
-            self._op = i + 1
+            self._op = self._next_op[i]  # (i + 1, past ops the host runs)
             return out
         entries, dev, entry = self._entries, self._dev_attr, self._entry
         dead = self._dead
@@ -739,7 +737,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             self._note_peak()
         if self._has_moves[i] and not self._stale:
             self._fire(i, hints=self._hinted)
-        self._op = i + 1
+        self._op = self._next_op[i]  # [host steps] (i + 1, past ops the host runs)
         return out
 
     def _account_written(self, written: list[torch.Tensor], outs: list[_Entry], label: str) -> int:
@@ -751,6 +749,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostStepping, Prof
             if e is None:
                 continue
             outs.append(e)
+            if e.home is not None:  # [host steps] a host-stepped parameter's master copy is stale now
+                e.synced = False
             st = e.ref()
             if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
                 grown += self._resized(e)
@@ -854,6 +854,12 @@ def offload(
             each rank opens its own ``offload``), plan from one trace on every rank and
             check that the plans agree (see :mod:`tierflow.runtime.distributed`);
             ``False``: each rank plans alone, and the runtime calls no collective.
+        host_step_overlap: for plans that step the optimizer on the host: start a
+            parameter's update as soon as backward has made its gradient, overlapped with
+            the rest of backward (``True``), or when ``optimizer.step()`` runs
+            (``False``: for loops that change gradients after ``backward()`` on some steps
+            only, which an update already under way would miss; see
+            :mod:`tierflow.runtime.host_step`).
 
     Returns:
         A :class:`Run`; use it as a context manager.

@@ -146,3 +146,5 @@ class PlanFollowing:
         self.stats.stale_plans += 1
         if len(self.stats.stale_reasons) < 5:
             self.stats.stale_reasons.append(why)
+        if self._host_active:  # host updates not yet begun wait for the step (runtime/host_step.py)
+            self._host_departed()

@@ -1,270 +1,724 @@
-"""Executing the plan's host-side optimizer steps (ZeRO-Offload's idea): for the
-parameters the plan names, the optimizer state lives in host memory for good and the
-update runs on the host, with the user's own optimizer class.
+"""Host-side optimizer steps: executing a plan's :class:`~tierflow.plan.HostStep` records.
 
-How. While a plan with host steps is followed:
+What the contract asks (see :class:`tierflow.plan.HostStep`): for a host-stepped
+parameter the optimizer state lives on the host for good, the gradient goes to the
+host as soon as the last backward op that writes it ends (and leaves the device), the
+update runs on the host, and the updated parameter is back on the device before its
+next use. ZeRO-Offload does this with its own optimizer (DeepSpeed's
+``DeepSpeedCPUAdam`` over its own fp32 partitions, ``deepspeed/runtime/zero/
+stage_1_and_2.py``); torchao's ``CPUOffloadOptimizer`` (pytorch/ao
+``torchao/optim/cpu_offload.py``) replaces the user's optimizer by one optimizer per
+parameter over host copies, so its ``state_dict()`` has another layout and its
+``param_groups`` are one per parameter (an LR scheduler sees as many groups). Here the
+user's optimizer object stays the one they made:
 
-- The state tensors of each host-stepped parameter are replaced, in the user's
-  ``optimizer.state[p]``, by host copies (pinned on CUDA), and a host master copy of
-  the parameter is kept. The user's optimizer object is the one they made:
-  ``state_dict()`` returns the host state, ``load_state_dict`` and LR schedulers work on
-  it (the reason torchao's ``CPUOffloadOptimizer`` keeps the user's API too).
-- Each such parameter's gradient leaves the device as soon as backward has accumulated
-  it (post-accumulate-grad hook: an eviction to the host pool, like a planned move).
-  If the loop reads it before the step (gradient clipping, logging), it is fetched back
-  on demand: the loop sees the same gradient as without tierflow.
-- ``optimizer.step()`` runs the device-side update for the other parameters (the step
-  wrapper of :mod:`.optim_chunks` leaves the host-stepped ones out of its groups) and, at
-  the same time in a worker thread, the host-side update: a shadow of the user's
-  optimizer (same class, the group's current settings, the same state dicts, no hooks)
-  steps the master copies with the gradients copied out of the host pool. Then the
-  updated parameters are copied back to the device before anything can use them.
+* **The state** of a host-stepped parameter is moved, at the moment the plan is
+  adopted, into host tensors that replace the tensors in ``optimizer.state[p]`` (the
+  same per-parameter dict object): ``state_dict()`` returns them (host tensors on CUDA),
+  ``load_state_dict()`` puts device tensors back, which the next update finds and moves
+  to the host again; when the ``offload`` block closes (or the run profiles again) the
+  state goes back to the device. In CPU mode the host tensors are the runtime's own
+  storages, never counted in the device budget.
+* **The gradient** is copied into a host buffer by a post-accumulate-grad hook (on
+  CUDA, a copy on the side stream after the backward kernel that made it), and its
+  device storage is shrunk to nothing: the gradient tensor stays a valid object, away
+  in its *home* (tier ``"home"`` of the entry), and code that reads ``p.grad`` later
+  (clipping, logging) fetches it back as any away tensor.
+* **The update** runs the optimizer's own step function (the class's ``step`` without
+  the hooks ``Optimizer`` wraps it in) on a shallow proxy of the user's optimizer whose
+  only param group is a copy of ``p``'s group holding the parameter's host master copy
+  (its ``.grad`` the host gradient buffer) and whose ``state`` maps that master copy to
+  the user's own state dict for ``p``. The same code (``foreach``/``fused`` as the group
+  says) on the same values: in CPU mode the result is bitwise that of plain PyTorch;
+  on CUDA it is the CPU kernel, equal to the CUDA one up to floating-point rounding of
+  the update's arithmetic (a few ulp per step for Adam; tests state the tolerance).
+  Updates run one after another on one worker thread, overlapped with the rest of
+  backward and with the device-side step (which leaves the host-stepped parameters
+  out: :class:`~tierflow.runtime.optim_chunks.ChunkedStep` ``skip``).
+* **The parameter**'s device bytes are obsolete once its update is under way: they are
+  dropped (the storage shrinks to nothing, like an eviction without a copy) and its
+  home becomes the master copy. ``optimizer.step()`` waits for every update before it
+  returns and copies the parameters the plan holds on the device at the start of an
+  iteration back there (the others come back by the plan's prefetch or on demand,
+  which waits for the update first). Waiting in ``step()`` rather than at the next
+  forward costs little overlap and keeps what a training loop reads after
+  ``step()`` — parameters, ``state_dict()``, a scheduler's view — exactly as without
+  tierflow.
 
-Why at ``optimizer.step()`` and not while backward still runs: a loop may clip, scale
-or inspect gradients, or change the learning rate, between ``backward()`` and
-``step()``; an update started during backward would not see that, and the result would
-differ from the user's loop. The overlap is therefore with the device-side update.
+When a gradient leaves and its update starts. At the gradient's hook only if the
+iteration follows its trace and the trace has no device op using the gradient after
+that point (a loop that clips or unscales gradients after ``backward()`` has such ops:
+its gradients leave and its updates start when ``optimizer.step()`` ends, as the loop
+left them); otherwise when the step ends. With ``offload(..., host_step_overlap=False)``
+gradients still leave at their hook, and an update starts when the step ends (a
+gradient changed after it left is sent again). Under ``torch.distributed`` everything
+waits for the step (DDP reduces gradients after their hooks). An iteration that
+departs from its trace takes back the updates still queued. One that changes a
+gradient after backward although its profile did not (clipping on some steps only)
+after that gradient's update began cannot be made right: ``optimizer.step()`` raises
+:class:`~tierflow.runtime.OffloadError` saying so (``host_step_overlap=False`` is the
+remedy); gradients accumulated over more backward passes than the profile had raise
+it at the extra pass. A parameter whose master
+copy may be stale (an op wrote the parameter on the device since its last update, e.g.
+a checkpoint restored into the model) is copied to the host before its update.
 
-CPU mode runs the same CPU kernel on the same values: bitwise equal to plain PyTorch.
-On CUDA the host update is the CPU implementation of the optimizer, so results differ
-from the GPU kernel's in the last bits (fp32 rounding of a different summation order,
-``foreach``/fused GPU kernels): the tolerance is that of two AdamW implementations, not
-zero (measured by ``benchmarks/gpu_check.py`` when a GPU is lent).
-
-While an iteration is profiled, the host steps are undone (state back on the device),
-so the trace records the whole device step, as the planner expects.
+Limits: parameters and gradients must own their storage whole (a view into a larger
+buffer cannot be shrunk alone): a plan whose host steps name such a parameter is
+followed without its host steps (``run.stats.plan_error`` says why). Group settings are
+read when each update starts: a setting changed between ``backward()`` and
+``optimizer.step()`` (an LR scheduler stepped before the optimizer) after some updates
+began raises :class:`~tierflow.runtime.OffloadError` at the step, as a gradient changed
+then does (``host_step_overlap=False`` is the remedy). ``capturable`` optimizers cannot run on the host.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..plan import Plan
+from ..trace import Trace
+from .errors import OffloadError
 from .optim_chunks import ChunkedStep
-from .storages import AWAY, RESIDENT, _Entry
+from .storages import _PLAIN, AWAY, RESIDENT, _Entry, _plain, _u8, _written_args
+from .streams import Copier
 
 
+@dataclass(eq=False)
 class _HostParam:
-    """One host-stepped parameter: its device tensor, master copy, gradient buffer."""
+    """One host-stepped parameter and its host buffers."""
 
-    def __init__(self, p: torch.Tensor, name: str, pin: bool):
-        self.p, self.name = p, name
-        self.moved: list[str] = []  # state keys moved to the host (to move back)
-        with torch._C._DisableTorchDispatch():
-            self.master = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
-            self.master.copy_(p.detach())
-            self.grad = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
-        self.master.grad = self.grad
+    name: str
+    param: torch.nn.Parameter
+    last_op: int  # its gradient's last backward op in the trace
+    master: torch.Tensor  # the parameter's master copy on the host
+    grad_buf: torch.Tensor  # its gradient's buffer on the host
+    moved: dict[str, torch.device] = field(default_factory=dict)  # state keys moved to the host: from where
+    held: list[torch.Tensor] = field(default_factory=list)  # its host state (keeps the ids in _host_held valid)
+    future: Future | None = None  # the update in flight
+    read: Any = None  # CUDA: event of the copy back to the device reading the master copy
+    sent: bool = False  # its gradient went to the host in this iteration
+    started: bool = False  # its update started in this iteration
+    early: bool = False  # ... by its gradient's hook, in backward
+    grad_entry: _Entry | None = None  # the gradient sent (to its home)
+    events: list = field(default_factory=list)  # CUDA: copies the update must wait for
+    settings: dict | None = None  # its group's settings (lr, ...) its update started with
+
+    @property
+    def nbytes(self) -> int:
+        return self.master.numel() * self.master.element_size()
 
 
-class HostStepping:
-    """Host-side optimizer steps (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+def _settings(group: dict) -> dict:
+    """A param group's settings (``lr``, ``betas``, ``weight_decay``...), copied: what an
+    update started with, to compare with what the group says when the step runs."""
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):  # (a tensor lr: its value, not the object)
+            with torch._C._DisableTorchDispatch():
+                v = v.detach().clone()
+        out[k] = v
+    return out
 
-    def _host_step_tables(self, trace: Any, plan: Any) -> None:
-        """From the plan: which parameters are host-stepped, which trace ops no longer
-        run on the device."""
-        names = {f"param:{n}": (n, p) for n, p in self.model.named_parameters()}
-        self._host_plan: list[tuple[str, torch.Tensor]] = []
-        skipped = [False] * trace.n_ops
-        for hs in plan.host_steps:
-            found = names.get(trace.tensors[hs.param].key or "")
-            if found is None or self.optimizer is None:
-                continue
-            self._host_plan.append(found)
-            for op in hs.ops:
-                if 0 <= op < trace.n_ops:
-                    skipped[op] = True
-        # the plan lists each host step's ops; any other optimizer op that touches only
-        # host-stepped parameters' tensors (and temporaries) does not run on the device
-        # either (a step counter's increment, say), and is skipped the same way
-        host = {n for n, _p in self._host_plan}
-        mine = set()
-        for t in trace.tensors:
-            kind, _, rest = (t.key or "").partition(":")
-            if (kind in ("param", "grad") and rest in host) or (kind == "opt" and rest.rpartition(":")[0] in host):
-                mine.add(t.id)
-        for i, op in enumerate(trace.ops):
-            if op.phase != "optimizer" or skipped[i]:
-                continue
-            keyed = {t for t in op.inputs + op.outputs if trace.tensors[t].key}
-            if keyed and keyed <= mine:
-                skipped[i] = True
-        self._host_skip = skipped if self._host_plan else None
 
-    def _skip_host_ops(self, i: int) -> int:
-        """Op ``i`` of the trace is a host-stepped parameter's device update, which no
-        longer runs: move past it and its like (issuing the moves planned after them)."""
-        skip, n = self._host_skip_now, self._n_ops
-        while i < n and skip[i]:
-            if self._has_moves[i] and not self._stale:
-                self._fire(i, hints=self._hinted)
-            i += 1
-        self._op = i
+def _same_settings(a: dict, group: dict) -> bool:
+    """Whether ``group`` still has the settings ``a`` (from :func:`_settings`)."""
+    if a.keys() != group.keys() - {"params"}:
+        return False
+    for k, v in a.items():
+        w = group[k]
+        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
+            if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor)):
+                return False
+            with torch._C._DisableTorchDispatch():
+                if not torch.equal(v, w.detach().to(v.device)):
+                    return False
+        elif v != w:
+            return False
+    return True
+
+
+def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The optimizer class's own ``step``, without the wrapper ``Optimizer`` puts around
+    it to run step hooks (the runtime's hooks end the iteration: they must run once per
+    ``optimizer.step()``, not once per host update)."""
+    fn = type(optimizer).step
+    if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _proxy(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor, state: dict) -> Any:
+    """A shallow stand-in for ``optimizer`` whose only group steps ``master`` with the
+    user's state dict (the same object: what the update writes is the user's)."""
+    proxy = object.__new__(type(optimizer))
+    proxy.__dict__.update(optimizer.__dict__)
+    g = dict(group)
+    g["params"] = [master]
+    proxy.param_groups = [g]
+    proxy.state = {master: state}
+    return proxy
+
+
+def _update(step: Callable[..., Any], proxy: Any, events: list[Any]) -> float:
+    """The host update (on the worker thread): wait for the copies it reads, run the
+    optimizer's step on the proxy. Its seconds."""
+    for ev in events:
+        Copier.synchronize(ev)
+    t0 = time.perf_counter()
+    step(proxy)
+    return time.perf_counter() - t0
+
+
+def _whole(t: torch.Tensor, nbytes: int | None = None) -> bool:
+    """Whether ``t`` is its storage, whole (what a host step can shrink and restore);
+    ``nbytes``: the storage's size when it is away (its storage has none then)."""
+    n = t.untyped_storage().nbytes() if nbytes is None else nbytes
+    return t.is_contiguous() and t.storage_offset() == 0 and n == t.numel() * t.element_size()
+
+
+def _key_name(key: str | None) -> str | None:
+    """The parameter a runtime key names (``param:N``, ``grad:N``, ``opt:N:KEY``)."""
+    if not key:
+        return None
+    kind, _, rest = key.partition(":")
+    if kind in ("param", "grad"):
+        return rest
+    if kind == "opt":
+        return rest.rsplit(":", 1)[0]
+    return None
+
+
+def update_groups(trace: Trace) -> list[tuple[list[int], set[str]]]:
+    """The optimizer ops of ``trace`` in units of work, each with the parameters it
+    updates (by name): ops sharing a tensor are one unit; an op without tensors joins
+    the unit of the next op with some (a step counter kept on the CPU, read with
+    ``.item()``); units that touch only a parameter's optimizer state (its step counter
+    on the device, in CPU mode) join the unit of that parameter. What the runtime runs
+    on the host for a set of parameters is the units whose parameters all are in it:
+    the whole of their update, counter included, as the optimizer's step does it."""
+    ops = trace.ops
+    opt = [i for i, o in enumerate(ops) if o.phase == "optimizer"]
+    parent = {i: i for i in opt}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
         return i
 
-    def _host_steps_begin(self) -> None:
-        """At an iteration's start: host steps on while a plan with them is followed,
-        undone while profiling (and when the plan has none)."""
-        want = bool(getattr(self, "_host_plan", None)) and (self._planned or self._hinted)
-        if want and not self._host_params:
-            self._host_setup()
-        elif not want and self._host_params:
-            self._host_teardown()
+    def union(a: int, b: int) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            parent[max(a, b)] = min(a, b)
 
-    def _host_setup(self) -> None:
-        opt = self.optimizer
-        pin = self.device.type == "cuda"
-        for name, p in self._host_plan:
-            # NOTE: read below the dispatch mode, so first brought back if the plan moved
-            # it (a storage moved away has no bytes to read)
-            self._make_resident(p)
-            st = opt.state.get(p)
-            # every state tensor on the device (a step counter too: in CPU mode it is one)
-            state = [(k, v) for k, v in (st or {}).items()
-                     if isinstance(v, torch.Tensor) and v.device.type == self.device.type]
-            for _k, v in state:
-                self._make_resident(v)
-            with torch._C._DisableTorchDispatch():
-                hp = _HostParam(p, name, pin)
-                for k, v in state:
-                    st[k] = v.to("cpu", copy=True).pin_memory() if pin else v.clone()
-                    hp.moved.append(k)
-            self._host_params[id(p)] = hp
-        if self._chunker is None:  # the step wrapper leaves the host-stepped parameters out
-            self._chunker = ChunkedStep(opt, cuda=self.device.type == "cuda")
-            self._chunker.install()
-        self._chunker.exclude = set(self._host_params)
-        self._chunker.host = self
-        self._host_skip_now = self._host_skip
-        self._host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-host-step")
+    first: dict[int, int] = {}
+    for i in opt:
+        for t in trace.op_tensors[i]:
+            if t in first:
+                union(first[t], i)
+            else:
+                first[t] = i
+    nxt = None
+    for i in reversed(opt):
+        if len(trace.op_tensors[i]):
+            nxt = i
+        elif nxt is not None:
+            union(i, nxt)
+    tensors = trace.tensors
+    units: dict[int, list[int]] = {}
+    for i in opt:
+        units.setdefault(find(i), []).append(i)
+    named: dict[int, set[str]] = {}
+    for root, unit in units.items():
+        names = set()
+        for i in unit:
+            for t in trace.op_tensors[i]:
+                nm = _key_name(tensors[t].key)
+                if nm is not None:
+                    names.add(nm)
+        named[root] = names
+    # a unit of state alone (no parameter, no gradient) joins its parameter's unit
+    owner: dict[str, int] = {}
+    for root, unit in units.items():
+        for i in unit:
+            for t in trace.op_tensors[i]:
+                key = tensors[t].key or ""
+                if key.startswith(("param:", "grad:")):
+                    owner.setdefault(_key_name(key), root)
+    for root in sorted(units):
+        unit = units[root]
+        keys = [tensors[t].key or "" for i in unit for t in trace.op_tensors[i]]
+        if keys and all(k.startswith("opt:") for k in keys if k) and not any(
+                k.startswith(("param:", "grad:")) for k in keys):
+            homes = {owner.get(n) for n in named[root]}
+            if len(homes) == 1 and None not in homes:
+                union(root, homes.pop())
+    out: dict[int, tuple[list[int], set[str]]] = {}
+    for root, unit in units.items():
+        r = find(root)
+        ops_, names = out.setdefault(r, ([], set()))
+        ops_ += unit
+        names |= named[root]
+    return [(sorted(u), n) for _, (u, n) in sorted(out.items())]
 
-    def _host_teardown(self) -> None:
-        """State back on the device, as the user's optimizer had it."""
-        opt = self.optimizer
-        with torch._C._DisableTorchDispatch():
-            for hp in self._host_params.values():
-                st = opt.state.get(hp.p)
-                if st is not None:
-                    for k in hp.moved or [k for k, v in st.items() if isinstance(v, torch.Tensor)]:
-                        v = st.get(k)
-                        if isinstance(v, torch.Tensor):
-                            st[k] = v.to(self.device, copy=True) if self.device.type == "cuda" else v.clone()
-        self._host_params = {}
-        self._host_skip_now = None
-        if self._chunker is not None:
-            self._chunker.exclude, self._chunker.host = set(), None
-        pool, self._host_pool = getattr(self, "_host_pool", None), None
-        if pool is not None:
-            pool.shutdown(wait=True)
 
-    def _host_grad_ready(self, p: torch.Tensor, e: _Entry | None) -> None:
-        """A host-stepped parameter's gradient is complete: it leaves the device."""
-        if e is not None and e.state is RESIDENT and self._evict(e, "host"):
-            self.stats.planned_moves += 1
+class HostSteps:
+    """Host-side optimizer steps (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
-    # -- at optimizer.step(): called by the step wrapper ---------------------------------
-    def host_update_start(self) -> Future | None:
-        """Copy the gradients to the host buffers, start the host update in the worker."""
-        if not self._host_params:
-            return None
-        # NOTE: this runs in optimizer.step(), outside any op: the fetches and copies below
-        # are the runtime's own, not ops of the iteration (quiet), or the dispatch mode
-        # would make room for them by evicting what is being read
-        q, self._quiet = self._quiet, True
-        try:
-            return self._host_update_start()
-        finally:
-            self._quiet = q
+    _host_active = False
+    _host_held: frozenset[int] | set[int] = frozenset()  # ids of state tensors kept on the host
 
-    def _host_update_start(self) -> Future | None:
-        t0 = time.perf_counter()
-        ready = []
-        for hp in self._host_params.values():
-            g = hp.p.grad
-            if g is None:
-                continue
-            e = self._entries.get(g.untyped_storage()._cdata)
-            direct = (e is not None and e.state is AWAY and e.tier == "host" and g.is_contiguous()
-                      and g.storage_offset() == 0 and e.nbytes == g.numel() * g.element_size())
-            if not direct and e is not None and e.state is not RESIDENT:
-                self._ensure_resident(e)
-            self._make_resident(hp.p)
-            with torch._C._DisableTorchDispatch():
-                # straight from its host pool slot when it is there
-                src = self._host.view(e.slot, e.nbytes).view(g.dtype).view(g.shape) if direct else g.detach()
-                hp.grad.copy_(src)
-                hp.master.copy_(hp.p.detach())  # (code between steps may have written the parameter)
-            ready.append(hp)
-        if not ready:
-            return None
-        # NOTE: the shadow optimizer is made here, in the main thread, before the device
-        # step swaps the user's param_groups for its own (the worker must not read them)
-        shadow = self._host_shadow(ready)
-        self._host_copy_s = time.perf_counter() - t0
-        return self._host_pool.submit(self._host_update, shadow)
+    def _host_init(self) -> None:
+        self._host_params: list[_HostParam] = []
+        self._host_by_cdata: dict[int, _HostParam] = {}  # parameter storage -> its host step
+        self._host_held = set()
+        self._host_hooks: list[Any] = []
+        self._host_worker: ThreadPoolExecutor | None = None
+        self._host_active = False
+        self._host_groups_seen: list | None = None
+        self._host_groups_list: list = []
+        self._host_group_of: dict[int, dict] = {}
+        # under torch.distributed a gradient is final only when the step begins (DDP
+        # reduces its buckets after the hooks): every update starts when the step ends
+        self._host_late = self.stats.world_size > 1
+        self._host_overlap = getattr(self, "_host_overlap", True)
 
-    def _make_resident(self, p: torch.Tensor) -> None:
-        if getattr(p, self._dev_attr) is not True:
+    # -- adopting a plan ---------------------------------------------------------------
+
+    def _host_adopt(self, trace: Trace, plan: Plan) -> None:
+        """Take up ``plan``'s host steps: host buffers, state to the host, hooks, the
+        device step's skip set, the follower's op order. A plan whose host steps cannot
+        be executed (a parameter that is not its storage whole, not found) is followed
+        without them; ``stats.plan_error`` says why."""
+        self._host_release()
+        self.stats.host_stepped_params = 0
+        if not plan.host_steps or plan.reactive or self.optimizer is None:
             return
-        e = self._entries.get(p.untyped_storage()._cdata)
-        if e is not None and (e.state is not RESIDENT or e.arrival is not None):
+        named = dict(self.model.named_parameters())
+        wanted: dict[str, int] = {}  # parameter name -> its gradient's tensor id
+        for h in plan.host_steps:
+            key = trace.tensors[h.param].key or ""
+            name = key[len("param:"):] if key.startswith("param:") else None
+            p = named.get(name) if name is not None else None
+            why = None
+            if p is None:
+                why = f"tensor {h.param} ({key or 'no key'}) is not a parameter of the model"
+            elif type(p) not in _PLAIN:
+                why = f"parameter {name} is a {type(p).__name__} (a shard: its owner steps it)"
+            elif (e := self._by_key.get(key)) is None or not e.resizable or e.foreign:
+                why = f"parameter {name} is not a storage the runtime moves"
+            elif not _whole(p, e.nbytes) or (p.grad is not None and not _whole(
+                    p.grad, getattr(self._entry(p.grad), "nbytes", None))):
+                why = f"parameter {name} or its gradient is a view into a larger storage"
+            if why is not None:
+                self.stats.plan_error = f"host steps not executed: {why}"
+                return
+            wanted[name] = h.grad
+        # what runs on the host: the units of the optimizer's work whose parameters are
+        # all host-stepped (a unit shared with a parameter the device steps stays there,
+        # with all its parameters: the device step leaves out whole parameters only)
+        units = update_groups(trace)
+        while True:
+            mixed = {n for _, names in units if names & wanted.keys() and not names <= wanted.keys()
+                     for n in names & wanted.keys()}
+            if not mixed:
+                break
+            for n in mixed:
+                del wanted[n]
+        host_ops = {o for unit, names in units if names and names <= wanted.keys() for o in unit}
+        if not wanted:
+            self.stats.plan_error = "host steps not executed: each shares its optimizer op with a parameter the device steps"
+            return
+        chosen: list[tuple[str, torch.nn.Parameter, int]] = []
+        for name, grad in wanted.items():
+            dev_uses = [int(u) for u in trace.uses(grad).tolist() if int(u) not in host_ops]
+            chosen.append((name, named[name], dev_uses[-1] if dev_uses else -1))
+        self._host_groups_seen = None
+        if any(self._host_group(p) is None for _, p, _ in chosen):
+            self.stats.plan_error = "host steps not executed: a host-stepped parameter is in no param group"
+            return
+        cuda = self.device.type == "cuda"
+        chunker = self._chunker
+        if chunker is None:  # the device step must leave the host-stepped parameters out
+            chunker = self._chunker = ChunkedStep(self.optimizer, cuda=cuda)
+            chunker.install()
+        chunker.freeze()  # (before the state leaves: its sizes set the chunks, as profiled)
+        for name, p, last in chosen:
+            e = self._by_key[f"param:{name}"]
+            self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
             self._ensure_resident(e)
+            master = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=cuda)
+            master.copy_(p.detach())
+            g = p.grad
+            grad_buf = torch.empty(p.shape, dtype=g.dtype if g is not None else p.dtype, device="cpu",
+                                   pin_memory=cuda)
+            master.grad = grad_buf
+            hp = _HostParam(name, p, last, master, grad_buf)
+            self._host_state_to_host(hp)
+            e.home, e.synced = _u8(master.untyped_storage(), hp.nbytes), True
+            self._host_params.append(hp)
+            self._host_by_cdata[e.cdata] = hp
+            self._host_hooks.append(p.register_post_accumulate_grad_hook(self._host_hook(hp)))
+        chunker.skip = {id(hp.param) for hp in self._host_params}
+        if self._host_worker is None:
+            self._host_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-host-step")
+        self._host_active = True
+        self.stats.host_stepped_params = len(self._host_params)
+        self.stats.host_step_bytes = sum(
+            2 * hp.nbytes + sum(v.numel() * v.element_size() for v in hp.held) for hp in self._host_params)
+        self._host_follow_tables(trace, host_ops)
 
-    def _host_shadow(self, ready: list[_HostParam]) -> torch.optim.Optimizer:
-        """A shadow of the user's optimizer over the master copies: the same class and
-        defaults, the groups' current settings, the user's state dicts, no hooks."""
+    def _host_follow_tables(self, trace: Trace, host_ops: set[int]) -> None:
+        """The follower skips the ops that run on the host (``_next_op``), and the moves
+        the plan issues after one of them are issued after the device op before it."""
+        n = trace.n_ops
+        nxt = list(range(1, n + 1))
+        following = n
+        for i in range(n - 1, -1, -1):
+            nxt[i] = following
+            if i not in host_ops:
+                following = i
+        self._next_op = nxt
+        prev = -1
+        for i in range(n):
+            if i not in host_ops:
+                prev = i
+            elif self._actions[i] and prev >= 0:
+                self._actions[prev] = tuple(self._actions[prev]) + tuple(self._actions[i])
+                self._actions[i] = ()
+                self._has_moves[prev], self._has_moves[i] = True, False
+
+    def _host_group(self, p: torch.Tensor) -> dict | None:
+        """The user's param group holding ``p`` now (``load_state_dict`` makes new group
+        dicts; during a chunked step, the user's groups, not the chunk groups)."""
+        chunker = self._chunker
+        groups = chunker.user_groups if chunker is not None and chunker.user_groups is not None \
+            else self.optimizer.param_groups
+        if groups is not self._host_groups_seen or not all(
+                a is b for a, b in zip(groups, self._host_groups_list)):
+            self._host_group_of = {id(q): g for g in groups for q in g["params"]}
+            self._host_groups_seen, self._host_groups_list = groups, list(groups)
+        return self._host_group_of.get(id(p))
+
+    def _host_state_to_host(self, hp: _HostParam) -> None:
+        """Replace the tensors of ``optimizer.state[p]`` by host copies (state already on
+        the host, such as Adam's CPU step counter on CUDA, stays as it is). Again after
+        ``load_state_dict()`` put new tensors there: the old copies are let go."""
+        state = self.optimizer.state[hp.param]
+        cuda = self.device.type == "cuda"
+        current = {id(v) for v in state.values() if isinstance(v, torch.Tensor)}
+        kept = [v for v in hp.held if id(v) in current]
+        for v in hp.held:
+            if id(v) not in current:
+                self._host_held.discard(id(v))
+        hp.held = kept
+        for k, v in list(state.items()):
+            if not isinstance(v, torch.Tensor) or id(v) in self._host_held:
+                continue
+            if v.device.type == self.device.type:  # (CPU mode: the device's, counted in the budget)
+                e = self._entry(v)
+                if e is not None and e.state != RESIDENT:
+                    self._make_room(e.nbytes, [e])
+                    self._ensure_resident(e)
+                h = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=cuda and v.dim() > 0)
+                h.copy_(v)
+                hp.moved[k] = v.device
+                state[k] = h
+                v = h
+            self._host_held.add(id(v))
+            hp.held.append(v)
+
+    def _host_release(self) -> None:
+        """Give the host steps up (a new profile, a new plan, the end of the run): every
+        update finished, parameters and gradients back on the device, the state moved
+        back where it was, hooks and the device step's skip set gone."""
+        if not self._host_active:
+            return
+        self._host_finish(copy_back=False, late=False)
+        self._host_active = False
+        for h in self._host_hooks:
+            h.remove()
+        self._host_hooks.clear()
+        for hp in self._host_params:
+            e = self._host_entry(hp)
+            for t in (hp.param, hp.param.grad):
+                x = self._entry(t) if t is not None else None
+                if x is not None and x.state != RESIDENT and x.tier == "home":
+                    self._make_room(x.nbytes, [x])
+                    self._fetch(x)
+                if x is not None:
+                    x.home = None
+            if e is not None:
+                e.home = None
+            state = self.optimizer.state.get(hp.param, {})
+            back = [(k, v, dev) for k, dev in hp.moved.items() if isinstance(v := state.get(k), torch.Tensor)]
+            # (it counts on the device again)
+            self._make_room(sum(v.numel() * v.element_size() for _, v, _ in back), [])
+            for k, v, dev in back:
+                if v.device != dev:
+                    state[k] = v.to(dev)
+        self._host_params.clear()
+        self._host_by_cdata.clear()
+        self._host_held = set()
+        if self._chunker is not None:
+            self._chunker.skip = set()
+            self._chunker.thaw()
+        self._label_opt_state()  # (CPU mode: the state the host held is device state again)
+
+    def _host_close(self) -> None:
+        """At the end of the run: release, and stop the worker."""
+        try:
+            self._host_release()
+        finally:
+            if self._host_worker is not None:
+                self._host_worker.shutdown(wait=True)
+                self._host_worker = None
+
+    # -- an iteration ------------------------------------------------------------------
+
+    def _host_entry(self, hp: _HostParam) -> _Entry | None:
+        return self._by_key.get(f"param:{hp.name}")
+
+    def _host_hook(self, hp: _HostParam):
+        def hook(p: torch.Tensor) -> None:
+            if not (self._host_active and self._in_iter and self._planned and not self._stale) or self._host_late:
+                return  # (sent and updated when optimizer.step() ends)
+            if self._op <= hp.last_op:
+                return  # not its last write yet (an earlier pass of an accumulation), or the
+                # trace has device ops reading it after backward (clipping): at the step
+            if hp.future is not None or hp.started:
+                raise OffloadError(
+                    f"the gradient of {hp.name} was accumulated again after its host update began "
+                    "(more backward passes than the profiled iteration had); profile with the same "
+                    "number of backward passes per optimizer step, or pass host_step_overlap=False")
+            q, self._quiet = self._quiet, True
+            try:
+                self._host_send(hp)
+                if self._host_overlap:
+                    self._host_start(hp)
+                    hp.early = True
+                    self.stats.host_steps_in_backward += 1
+            finally:
+                self._quiet = q
+        return hook
+
+    def _host_send(self, hp: _HostParam) -> None:
+        """Send ``hp``'s gradient to its host buffer (and off the device), make sure the
+        master copy holds the parameter's bytes, and drop those from the device: from
+        here the parameter's home is its master copy."""
+        p = hp.param
+        g = p.grad
+        e = self._host_entry(hp)
+        if e is None or e.ref() is None:
+            raise OffloadError(f"host step of {hp.name}: the runtime lost track of the parameter's storage")
+        events = hp.events
+        if hp.read is not None:  # (the update rewrites the master copy the copy back reads)
+            events.append(hp.read)
+            hp.read = None
+        state = self.optimizer.state[p]
+        if any(isinstance(v, torch.Tensor) and id(v) not in self._host_held for v in state.values()):
+            self._host_state_to_host(hp)  # load_state_dict() put device tensors there
+        # the master copy must hold the parameter's current bytes (an op wrote it since)
+        if not e.synced and e.tier != "home":
+            if e.state != RESIDENT:  # (away in the pool or the file: those bytes are the new ones)
+                self._make_room(e.nbytes, [e])
+                self._ensure_resident(e)
+            if e.arrival is not None:
+                self._copier.wait(e.arrival)
+                e.arrival = None
+            src = _u8(e.ref(), e.nbytes)
+            events.append(self._copier.copy(e.home, src, src))
+            self._count("device->host", "host", e.nbytes)
+            e.synced = True
+        # the gradient: to its host buffer, then off the device
+        ge = self._entry(g)
+        if ge is not None:
+            if ge.state != RESIDENT:
+                self._make_room(ge.nbytes, [ge])
+                self._ensure_resident(ge)
+            if ge.arrival is not None:
+                self._copier.wait(ge.arrival)
+                ge.arrival = None
+            gst = ge.ref()
+            n = ge.nbytes
+            if _whole(g, n) and n == hp.grad_buf.numel() * hp.grad_buf.element_size():
+                home = _u8(hp.grad_buf.untyped_storage(), n)
+                src = _u8(gst, n)
+                events.append(self._copier.copy(home, src, src))
+                del src
+                if ge.resizable and not ge.pins and not ge.foreign:
+                    gst.resize_(0)
+                    ge.state, ge.tier, ge.home, ge.slot = AWAY, "home", home, -1
+                    self._device_bytes -= n
+                    self._lru.pop(ge.cdata, None)
+            else:  # (a view into a larger gradient buffer: copied, left where it is)
+                events.append(self._copier.copy(hp.grad_buf, g.detach(), g))
+            self._count("device->host", "host", hp.grad_buf.numel() * hp.grad_buf.element_size())
+            ge.synced = True  # (an op that writes it from here on makes this copy stale)
+        else:  # (not on the device: a CPU gradient of a CUDA model)
+            hp.grad_buf.copy_(g)
+        hp.grad_entry = ge
+        hp.sent = True
+        self._host_drop(e)
+
+    def _host_start(self, hp: _HostParam) -> None:
+        """Start ``hp``'s update on the worker (its gradient sent)."""
         opt = self.optimizer
-        by_group = []
-        for g in opt.param_groups:
-            ids = {id(q) for q in g["params"]}
-            mine = [hp for hp in ready if id(hp.p) in ids]
-            if mine:
-                by_group.append((g, mine))
-        shadow = copy.copy(opt)  # the same class and defaults; its own groups, state map, hooks
-        shadow._optimizer_step_pre_hooks = OrderedDict()
-        shadow._optimizer_step_post_hooks = OrderedDict()
-        shadow.param_groups = [dict(g, params=[hp.master for hp in mine]) for g, mine in by_group]
-        shadow.state = {hp.master: opt.state[hp.p] for _g, mine in by_group for hp in mine if hp.p in opt.state}
-        for _g, mine in by_group:
-            for hp in mine:
-                if hp.p not in opt.state:  # the first step creates the state: in the user's dict
-                    opt.state[hp.p] = shadow.state[hp.master] = {}
-        return shadow
+        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+            raise OffloadError(
+                f"host step of {hp.name}: the optimizer unscales gradients inside its step (AMP's GradScaler "
+                "with a fused optimizer), which host steps do not support; use a policy without host steps")
+        group = self._host_group(hp.param)
+        if group is None:
+            raise OffloadError(f"host step of {hp.name}: the parameter is in no param group of the optimizer any more")
+        proxy = _proxy(opt, group, hp.master, opt.state[hp.param])
+        hp.settings = _settings(group)
+        events, hp.events = hp.events, []
+        hp.future = self._host_worker.submit(_update, _raw_step(opt), proxy, events)
+        hp.started = True
 
-    def _host_update(self, shadow: torch.optim.Optimizer) -> float:
-        """In the worker thread: the user's optimizer class steps the master copies
-        (its unhooked step: the user's step hooks run once, around the whole step)."""
+    def _host_grad_stale(self, hp: _HostParam) -> bool:
+        """Whether the gradient sent for ``hp`` is not the one ``p.grad`` holds now (an op
+        wrote it since, or another tensor took its place)."""
+        g = hp.param.grad
+        ge = hp.grad_entry
+        if ge is None or g is None:
+            return g is not None
+        return not ge.synced or self._entries.get(_plain(g).untyped_storage()._cdata) is not ge
+
+    def _host_drop(self, e: _Entry) -> None:
+        """Let go of a host-stepped parameter's device bytes (no copy: the master copy
+        is, or is about to be, newer)."""
+        if e.state == RESIDENT:
+            st = e.ref()
+            if e.arrival is not None:
+                self._copier.wait(e.arrival)
+                e.arrival = None
+            st.resize_(0)
+            self._device_bytes -= e.nbytes
+            self._lru.pop(e.cdata, None)
+        elif e.tier != "home":  # away in the pool or the file: that copy is obsolete
+            self._give_back_slots(e)
+            e.slot, e.bounce = -1, -1
+        e.state, e.tier = AWAY, "home"
+
+    def _host_wait(self, e: _Entry) -> None:
+        """Before ``e`` comes back from its home: its update must have finished."""
+        hp = self._host_by_cdata.get(e.cdata)
+        if hp is not None and hp.future is not None:
+            self._host_collect(hp)
+
+    def _host_departed(self) -> None:
+        """The iteration departed from its trace: updates queued and not yet begun are
+        taken back, to start when the step ends (with the gradients as they are then);
+        those already begun are checked then (see :meth:`_host_finish`)."""
+        for hp in self._host_params:
+            if hp.future is not None and hp.future.cancel():
+                hp.future, hp.started, hp.early = None, False, False
+
+    def _host_written(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """An untracked op writes its arguments: a host-stepped parameter among them has
+        a stale master copy now (tracked ops mark it where they account what they wrote)."""
+        for t in _written_args(func, args, kwargs):
+            e = self._entries.get(t.untyped_storage()._cdata) if t.device.type == self.device.type else None
+            if e is not None and e.home is not None:
+                e.synced = False
+
+    def _host_evict(self, e: _Entry) -> bool:
+        """Evict a host-stepped parameter whose master copy on the host is current: no
+        copy, its home holds the bytes (a plan's eviction, or one the budget forces)."""
+        if not (self._host_active and e.synced and e.state == RESIDENT and e.cdata in self._host_by_cdata):
+            return False
+        st = e.ref()
+        if st is None or st.nbytes() != e.nbytes or e.pins:
+            return False
+        self._host_drop(e)
+        k = f"{e.kind}@host"
+        self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
+        return True
+
+    def _host_read(self, e: _Entry, event: Any) -> None:
+        """``e`` is being copied back from its home (``event`` completes the copy): the
+        next update must not write the master copy before that."""
+        hp = self._host_by_cdata.get(e.cdata)
+        if hp is not None and event is not None:
+            hp.read = event
+
+    def _host_collect(self, hp: _HostParam, quiet: bool = False) -> None:
+        """Wait for ``hp``'s update; its error (the optimizer's own, on the host) as an
+        :class:`OffloadError`, or with ``quiet`` (giving the host steps up after an
+        error was raised) not at all."""
+        fut, hp.future = hp.future, None
         t0 = time.perf_counter()
-        step = type(shadow).step
-        getattr(step, "__wrapped__", step)(shadow)
-        return time.perf_counter() - t0
+        waited = not fut.done()
+        try:
+            dt = fut.result()
+        except Exception as err:
+            if quiet:
+                return
+            raise OffloadError(f"host step of {hp.name} failed: {type(err).__name__}: {err}") from err
+        if waited:
+            self.stats.host_step_wait_s += time.perf_counter() - t0
+        self.stats.host_steps += 1
+        self.stats.host_step_s += dt
 
-    def host_update_finish(self, task: Future | None) -> None:
-        """Wait for the host update; copy the updated parameters back to the device."""
-        if task is None:
+    def _host_finish(self, copy_back: bool = True, late: bool = True) -> None:
+        """When ``optimizer.step()`` ends: updates not started by a gradient hook start
+        now; every update is waited for; the parameters the plan holds on the device at
+        the start of an iteration are copied back (the rest come back when needed)."""
+        if not self._host_active:
             return
         q, self._quiet = self._quiet, True
         try:
-            self._host_update_finish(task)
+            changed = [hp.name for hp in self._host_params if hp.early and self._host_grad_stale(hp)]
+            # (and the settings: an LR set between backward() and step() after an update
+            # had begun would reach only the updates that began later)
+            retuned = [hp.name for hp in self._host_params if hp.early and hp.settings is not None
+                       and (g := self._host_group(hp.param)) is not None and not _same_settings(hp.settings, g)]
+            if late:  # (when a step ends, not when the host steps are given up)
+                for hp in self._host_params:
+                    if hp.started or hp.param.grad is None:
+                        continue  # (an optimizer skips a parameter without a gradient; so do we)
+                    if not hp.sent or self._host_grad_stale(hp):
+                        self._host_send(hp)
+                    self._host_start(hp)
+            for hp in self._host_params:
+                hp.sent = hp.started = hp.early = False
+                hp.grad_entry, hp.settings = None, None
+                hp.events = []
+                if hp.future is not None:
+                    self._host_collect(hp, quiet=not late)
+            if retuned and late:
+                raise OffloadError(
+                    f"the optimizer settings of {', '.join(retuned[:3])}{' ...' if len(retuned) > 3 else ''} "
+                    "(lr, betas, ...) were changed between backward() and optimizer.step(), after their host "
+                    "updates had begun with the old ones. Change them before backward(), or pass "
+                    "host_step_overlap=False")
+            if changed and late:
+                raise OffloadError(
+                    f"the gradients of {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} were changed "
+                    "after backward (clipping, unscaling) in an iteration whose profile did not change them, "
+                    "after their host updates had begun: those updates used the gradients as backward left "
+                    "them. Change gradients the same way on every step, or pass host_step_overlap=False")
+            if copy_back:
+                start_away = getattr(self, "_start_away", {})
+                for hp in self._host_params:
+                    e = self._host_entry(hp)
+                    if e is None or e.state == RESIDENT or e.tier != "home" or f"param:{hp.name}" in start_away:
+                        continue
+                    self._make_room(e.nbytes, [e])
+                    self._fetch(e)
+            self._note_peak()
         finally:
             self._quiet = q
 
-    def _host_update_finish(self, task: Future) -> None:
-        worker_s = task.result()
-        t0 = time.perf_counter()
-        for hp in self._host_params.values():
-            if hp.p.grad is None:
-                continue
-            self._make_resident(hp.p)
-            with torch._C._DisableTorchDispatch():
-                hp.p.detach().copy_(hp.master)
-        self.stats.host_steps += len(self._host_params)
-        self.stats.host_step_s += worker_s + self._host_copy_s + time.perf_counter() - t0
 
-
-__all__ = ["HostStepping"]
+__all__ = ["HostSteps", "update_groups"]

@@ -68,6 +68,8 @@ class Moves:
         st = e.ref()
         if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
             return False
+        if e.home is not None and self._host_evict(e):  # a host step's master copy has the bytes
+            return True
         if e.pins and not self._unpin(e):
             self.stats.busy_refusals += 1
             return False
@@ -239,6 +241,13 @@ class Moves:
             dst = _u8(st, n)
             ev = self._copier.copy(dst, self._host.view(e.slot, n), dst)
             self._frees.append((ev, self._host.arena, e.slot, n))
+        elif e.tier == "home":  # a host step's buffer (runtime/host_step.py): its update first
+            self._host_wait(e)
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = self._copier.copy(dst, e.home, dst)
+            self._host_read(e, ev)
+            e.synced = True
         else:
             assert self._ssd is not None
             if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
@@ -270,6 +279,7 @@ class Moves:
         e.state, e.slot = RESIDENT, -1
         tier, e.tier = e.tier, None
         self._device_bytes += n
+        tier = "host" if tier == "home" else tier
         self._count(f"{tier}->device", tier or "host", n)
         if e.kind in OWNED:
             self._lru[e.cdata] = e
@@ -373,5 +383,7 @@ class Moves:
             self._ssd.bounce.release(e.bounce, e.nbytes)
         if e.tier == "host":
             self._host.arena.release(e.slot, e.nbytes)
+        elif e.tier == "home":  # (a host step's own buffer: nothing to give back)
+            pass
         elif self._ssd is not None:
             self._ssd.arena.release(e.slot, e.nbytes)

@@ -27,6 +27,12 @@ per chunk, and the rest of the budget keeps room for the plan's prefetches of th
 chunk. Fewer, larger chunks mean fewer kernel launches on a GPU: the quarter is the
 trade-off.
 
+Host steps. The same machinery leaves out the parameters a plan updates on the host
+(:mod:`.host_step`): ``skip`` holds them while a plan with host steps is followed, and
+their chunks are dropped (a chunk is one op of the trace, host-stepped whole or not at
+all). The chunk layout is then frozen as profiled (``freeze``): the host-stepped
+parameters' state has left the device, which must not change the chunks of the rest.
+
 Limitations. Group settings a step pre-hook changes on a chunk group are copied back
 from the group's first chunk. A closure is passed to the step once, as usual. Groups
 with ``foreach=False`` (one parameter at a time already) are never chunked.
@@ -77,8 +83,9 @@ class ChunkedStep:
         self.cuda = cuda
         self.cap: float | None = None  # bytes per chunk; None: the step runs whole
         self.chunks = 0  # chunk groups in the last chunked step
-        self.exclude: set[int] = set()  # ids of parameters the host steps (runtime.host_step)
-        self.host: Any = None  # their updater: host_update_start() / host_update_finish(task)
+        self.skip: set[int] = set()  # ids of parameters the step leaves out (host steps)
+        self.user_groups: list[dict] | None = None  # the user's param groups while chunk groups stand in
+        self.frozen: list[list[list[int]]] | None = None  # the chunk layout, held (see freeze)
         self._inner = None
         self._installed = False
 
@@ -119,7 +126,12 @@ class ChunkedStep:
     def cap_for(self, budget: float) -> float | None:
         """The chunk size for ``budget``: a quarter of it, if some multi-tensor group's
         whole update (its parameters, gradients and state) exceeds half of it; else
-        None: every group fits whole, with room for its temporaries and the rest."""
+        None: every group fits whole, with room for its temporaries and the rest.
+
+        Before the first step (no gradient, no state yet: a byte budget is known when the
+        block opens) a parameter counts as what its first step will touch: itself, a
+        gradient of its size and Adam's two moments (the first step makes them), so that
+        the first step too runs in chunks where later ones will."""
         for g in self.opt.param_groups:
             if _multi_tensor(g, self.cuda) and sum(self._expected_bytes(p) for p in g["params"]) > budget / 2:
                 return budget / 4
@@ -128,9 +140,9 @@ class ChunkedStep:
     def _expected_bytes(self, p: torch.Tensor) -> int:
         """What a parameter's update touches; before its first step (a byte budget is
         known when the block opens) also the gradient and Adam's two moments that step
-        will make, so that the first step too runs in chunks where later ones will.
-        (Found by the host-step helper: without it the first step of gpt-tiny with
-        AdamW(foreach=True) under a 2.5 MiB byte budget peaked 7% over it.)"""
+        will make, so that the first step too runs in chunks where later ones will
+        (without it the first step of gpt-tiny with AdamW(foreach=True) under a 2.5 MiB
+        byte budget peaked 7% over it)."""
         n = _state_bytes(self.opt, p)
         if p.grad is None:
             n += _nbytes(p)
@@ -138,12 +150,22 @@ class ChunkedStep:
             n += 2 * _nbytes(p)
         return n
 
-    def _slices(self, cap: float) -> list[list[list[int]]]:
+    def freeze(self) -> None:
+        """Hold the current chunk layout until :meth:`thaw` (while host steps keep some
+        parameters' state off the device, which would otherwise change the sizes)."""
+        self.frozen = self._slices(self.cap)
+
+    def thaw(self) -> None:
+        self.frozen = None
+
+    def _slices(self, cap: float | None) -> list[list[list[int]]]:
         """Per group, the index ranges of its chunks (one range: not chunked)."""
+        if self.frozen is not None:
+            return self.frozen
         out = []
         for g in self.opt.param_groups:
             ps = g["params"]
-            if not _multi_tensor(g, self.cuda) or len(ps) < 2:
+            if cap is None or not _multi_tensor(g, self.cuda) or len(ps) < 2:
                 out.append([list(range(len(ps)))])
                 continue
             chunks, cur, size = [], [], 0
@@ -160,36 +182,40 @@ class ChunkedStep:
 
     def _step(self, *args, **kwargs):
         inner = self._inner
-        if not self._installed or (self.cap is None and not self.exclude):
+        if not self._installed or (self.cap is None and not self.skip):
             return inner(*args, **kwargs)
-        task = self.host.host_update_start() if self.host is not None else None
-        try:
-            return self._device_step(inner, args, kwargs)
-        finally:
-            if self.host is not None:
-                self.host.host_update_finish(task)
-
-    def _device_step(self, inner, args, kwargs):
         groups = self.opt.param_groups
-        slices = self._slices(self.cap) if self.cap is not None else [[list(range(len(g["params"])))] for g in groups]
-        if all(len(c) == 1 for c in slices) and not self.exclude:
+        slices = self._slices(self.cap)
+        skip = self.skip
+        if all(len(c) == 1 for c in slices) and not skip:
             self.chunks = len(groups)
             return inner(*args, **kwargs)
         chunked, first = [], []
         for g, ranges in zip(groups, slices):
-            first.append(len(chunked))
+            first.append(None)
             for r in ranges:
+                params = [g["params"][k] for k in r]
+                if skip:
+                    params = [p for p in params if id(p) not in skip]
+                    if not params:  # host-stepped whole: not run here
+                        continue
                 c = dict(g)
-                c["params"] = [g["params"][k] for k in r if id(g["params"][k]) not in self.exclude]
+                c["params"] = params
                 chunked.append(c)
+                if first[-1] is None:
+                    first[-1] = c
         self.chunks = len(chunked)
         self.opt.param_groups = chunked
+        self.user_groups = groups
         try:
             return inner(*args, **kwargs)
         finally:
             self.opt.param_groups = groups
-            for g, j in zip(groups, first):  # settings a hook changed during the step
-                for k, v in chunked[j].items():
+            self.user_groups = None
+            for g, c in zip(groups, first):  # settings a hook changed during the step
+                if c is None:  # (no chunk of it ran here)
+                    continue
+                for k, v in c.items():
                     if k != "params" and g.get(k) is not v:
                         g[k] = v
 

@@ -294,10 +294,10 @@ class Profiling:
         # their results (same storages as their arguments, no bytes)
         self._views_only = [f is not None and _returns_views(f) and b is None and not self._write_spots[i]
                             for i, (f, b) in enumerate(zip(self._fast_funcs, self._bind_out))]
-        self._host_step_tables(trace, plan)
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
         self._actions = self._move_table(trace, plan)
         self._has_moves = [bool(a) for a in self._actions]
+        self._next_op = list(range(1, trace.n_ops + 1))  # the op after each (host steps skip theirs)
         self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
         self._pending.clear()
         born = [0] * (trace.n_ops + 1)
@@ -305,10 +305,12 @@ class Profiling:
             if not t.persistent:
                 born[int(trace.birth[t.id])] += t.bytes
         self._born = born
+        if self._chunker is not None:
+            self.stats.optimizer_chunks = self._chunker.chunks
+        self._host_adopt(trace, plan)  # the plan's host steps, if any (runtime/host_step.py)
         # ops the lean path only runs: metadata over a storage, nothing planned there
+        # (after the host steps: the moves after an op the host runs move to the op before)
         self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None
                          and not self._levers_at[i] and not self._has_moves[i] and not born[i]
                          for i, f in enumerate(self._fast_funcs)]
-        if self._chunker is not None:
-            self.stats.optimizer_chunks = self._chunker.chunks
         return True

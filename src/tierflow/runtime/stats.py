@@ -50,9 +50,6 @@ class RunStats:
         skipped_drops: planned drops not made (a chain not recorded whole, a tensor the
             runtime could not identify or free); the tensor then stays on the device.
         early_recomputes: chains re-run on demand, before their planned op.
-        host_steps: parameter updates run on the host (summed over steps);
-            host_step_s: seconds of them (gradient copies, the update in the worker
-            thread, the copies back), not all of it on the step's critical path.
         optimizer_chunks: the param-group chunks the profiled optimizer step ran in
             (a foreach or fused optimizer under a budget its whole state exceeds:
             :mod:`tierflow.runtime.optim_chunks`); 0 when the step is not wrapped.
@@ -72,6 +69,17 @@ class RunStats:
         foreign_storages: storages another owner resizes (FSDP's unsharded
             parameters), which the runtime leaves alone and only accounts: those alive
             at the end of the last iteration.
+        host_stepped_params: parameters the current plan updates on the host
+            (:class:`~tierflow.plan.HostStep`; see :mod:`tierflow.runtime.host_step`).
+        host_steps: host updates run (one per host-stepped parameter and step).
+        host_steps_in_backward: of those, the ones that started while backward still
+            ran (by their gradient's hook: overlapped with the rest of backward).
+        host_step_s: seconds the host updates took, measured on the worker thread
+            (overlapped with backward and the device-side step).
+        host_step_wait_s: seconds the training thread waited for host updates (when
+            ``optimizer.step()`` ends, or a parameter was needed before its update ended).
+        host_step_bytes: host memory the host steps hold outside the host pool (master
+            copies, gradient buffers, optimizer state; pinned on CUDA).
     """
 
     steps: int = 0
@@ -108,12 +116,16 @@ class RunStats:
     pinned_bytes: int = 0
     optimizer_chunks: int = 0
     recomputed_ops: int = 0
-    host_steps: int = 0
-    host_step_s: float = 0.0
     recompute_s: float = 0.0
     dropped_bytes: int = 0
     skipped_drops: int = 0
     early_recomputes: int = 0
+    host_stepped_params: int = 0
+    host_steps: int = 0
+    host_steps_in_backward: int = 0
+    host_step_s: float = 0.0
+    host_step_wait_s: float = 0.0
+    host_step_bytes: int = 0
     blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
     rank: int = 0

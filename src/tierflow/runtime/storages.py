@@ -50,6 +50,11 @@ class _Entry:
     touched: bool = False  # an op used it after the collective that pinned it
     foreign: bool = False  # resized by someone else (FSDP's unsharded parameters): never moved
     top: int = 0  # largest size seen (a foreign storage's size changes under us)
+    # host steps (runtime/host_step.py): the host buffer that is this storage's home off
+    # the device (a host-stepped parameter's master copy, its gradient's buffer): while
+    # away in it the tier is "home"; synced: the device bytes equal the home's
+    home: Any = None
+    synced: bool = True
 
     @property
     def persistent(self) -> bool:
@@ -298,29 +303,21 @@ class StorageTracking:
         if self.optimizer is None:
             return
         self._labelled_states = len(self.optimizer.state)
+        held = self._host_held  # optimizer state host steps keep on the host (never device bytes)
         for p, state in self.optimizer.state.items():
-            if id(p) in self._host_params:  # its state is host memory, not the device's
-                continue
             pn = self._names.get(id(p), f"<param {id(p):x}>")
             for k, v in state.items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and id(v) not in held:
                     self._label(self._entry(v), "optimizer_state", f"opt:{pn}:{k}", f"{pn}.{k}")
 
     def _on_grad(self, name: str):
         def hook(p: torch.Tensor) -> None:
-            if p.grad is None:
-                return
-            host = id(p) in self._host_params
-            if self._fast and not host:  # (following a plan, _bind labels gradients)
-                return
-            q, self._quiet = self._quiet, True
-            try:
-                e = self._entry(p.grad)
-                self._label(e, "gradient", f"grad:{name}", f"{name}.grad")
-                if host:  # updated on the host: the gradient leaves the device now
-                    self._host_grad_ready(p, e)
-            finally:
-                self._quiet = q
+            if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
+                q, self._quiet = self._quiet, True
+                try:
+                    self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
+                finally:
+                    self._quiet = q
         return hook
 
     def _tid(self, e: _Entry) -> int:
