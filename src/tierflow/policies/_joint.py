@@ -121,16 +121,13 @@ def _over_original(lowered: Lowered, budget: float) -> np.ndarray:
     return over
 
 
-def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Plan | None = None,
-               recompute: bool = True) -> Plan:
+def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Plan | None = None) -> Plan:
     """tierflow's plan with all levers (see the module docstring).
 
     Args:
         trace, hw, options: as for any policy.
         move_plan: the move-only pipeline's plan for ``trace``, if already made (it
             competes on traces small enough, see ``_BOTH_PIPELINES``).
-        recompute: False: moves and host steps only (``levers="host"``): no recompute
-            option, no peer whose plan recomputes.
     """
     from .tierflow import _GRID, _build, plan_moves
 
@@ -143,7 +140,7 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         move_plan = plan_moves(trace, hw, options)
     if move_plan is not None and move_plan.meta.get("predicted_step_s", float("inf")) <= ideal:
         return move_plan
-    rec_opts = recompute_options(trace) if recompute else []
+    rec_opts = recompute_options(trace)
     hs_opts = host_step_options(trace, hw) if LEVERS_SIMULATED else []
     if not rec_opts and not hs_opts:
         return move_plan if move_plan is not None else plan_moves(trace, hw, options)
@@ -257,7 +254,7 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
     if LEVERS_SIMULATED and opts.get("portfolio", True):
         # the peers' plans (checkpointing, ZeRO-Offload, ...) are seeds too, repaired by
         # the same loop where one leads: tierflow is never behind a peer by construction
-        for name, p_plan, p_score in _peer_seeds(trace, hw, options, recompute):
+        for name, p_plan, p_score in _peer_seeds(trace, hw, options):
             peer_scores[name] = p_score
             if gains(p_score, score):
                 plan, score, seed = p_plan, p_score, name
@@ -312,9 +309,8 @@ _PEERS = ("checkpoint", "selective", "save_on_cpu", "offload_activations", "zero
           "zero_offload+checkpoint", "zero_infinity")
 
 
-def _peer_seeds(trace: Trace, hw: Hardware, options: PolicyOptions, recompute: bool = True):
-    """(name, plan, simulated step) of each peer policy present that can plan here
-    (``recompute`` False: those whose plan recomputes nothing)."""
+def _peer_seeds(trace: Trace, hw: Hardware, options: PolicyOptions):
+    """(name, plan, simulated step) of each peer policy present that can plan here."""
     from ..errors import PolicyError
     from . import get_policy, policy_names
 
@@ -325,7 +321,5 @@ def _peer_seeds(trace: Trace, hw: Hardware, options: PolicyOptions, recompute: b
         try:
             plan = get_policy(name)(trace, hw, PolicyOptions(options.budget_bytes, options.seed))
         except (PlanError, PolicyError):
-            continue
-        if plan.recomputes and not recompute:
             continue
         yield name, plan, simulate_score(trace, hw, plan)[0]

@@ -536,10 +536,8 @@ def _default_levers() -> str:
 
 OPTIONS = (
     PolicyOption("levers", str, _default_levers(), "which levers to plan with: 'move' (moves only, as "
-                 "before the three levers), 'host' (moves and host-side optimizer steps, no recompute: "
-                 "what the runtime executes without recompute chains) or 'all' (moves, recompute and "
-                 "host-side optimizer steps)",
-                 ("move", "host", "all")),
+                 "before the three levers) or 'all' (moves, recompute and host-side optimizer steps)",
+                 ("move", "all")),
 ) + OPTIONS
 
 
@@ -567,15 +565,15 @@ def tierflow(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:
         'tierflow'
     """
     levers = (options.extra or {}).get("levers", _default_levers())
-    if levers not in ("move", "host", "all"):
+    if levers not in ("move", "all"):
         from ..errors import PolicyError
 
-        raise PolicyError(f"tierflow: option 'levers' is {levers!r}, expected 'move', 'host' or 'all'")
+        raise PolicyError(f"tierflow: option 'levers' is {levers!r}, expected 'move' or 'all'")
     if levers == "move":
         return plan_moves(trace, hardware, options)
     from ._joint import plan_joint
 
-    return plan_joint(trace, hardware, options, recompute=levers == "all")
+    return plan_joint(trace, hardware, options)
 
 
 def plan_moves(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan:

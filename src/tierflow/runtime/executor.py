@@ -254,6 +254,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._time_sums: dict[str, float] = {}
         self._time_counts: dict[str, int] = {}
         self._in_step = False
+        self._step_depth = 0  # optimizer.step() wrappers entered (a subclass calling super().step() nests two)
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         for n, p in self.model.named_parameters():
             self._label(self._entry(p), "parameter", f"param:{n}", n)
@@ -277,7 +278,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     chunker.cap = chunker.cap_for(self.budget)
                 self._chunker = chunker
             self._hooks.append(self.optimizer.register_step_pre_hook(self._on_step_pre))
-            self._hooks.append(self.optimizer.register_step_post_hook(lambda *a: self.end_iteration()))
+            self._hooks.append(self.optimizer.register_step_post_hook(self._on_step_post))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._mode = _Mode(self)
@@ -350,6 +351,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def _begin(self) -> None:
         self._in_iter = True
+        self._step_depth = 0  # (a step that raised left its count behind)
         self._op = 0
         self._saved_seq = 0
         self._iter_tid: dict[int, int] = {}

@@ -49,7 +49,19 @@ When a gradient leaves and its update starts. At the gradient's hook only if the
 iteration follows its trace and the trace has no device op using the gradient after
 that point (a loop that clips or unscales gradients after ``backward()`` has such ops:
 its gradients leave and its updates start when ``optimizer.step()`` ends, as the loop
-left them); otherwise when the step ends. With ``offload(..., host_step_overlap=False)``
+left them); otherwise when the step ends.
+
+Why an update begun in backward is exact. An update reads the gradient, the parameter,
+its optimizer state and its group's settings, and writes the last three. When it
+begins at the hook: the gradient's last write is done (the hook fires after the last
+accumulation, and the trace says no later device op touches it); the parameter's
+bytes are in its master copy and its device storage is dropped, so nothing can read
+a half-updated value (a read fetches it back, which waits for the update first); its
+state is read by no one but this update before ``step()`` returns, which waits for
+every update. The update is the optimizer's own code on the same values, so beginning
+it earlier changes when it runs, not what it computes. The trace describes the
+iteration it profiled, not this one, so what the trace cannot promise (a gradient or a
+setting changed between ``backward()`` and ``step()``) is checked when the step ends. With ``offload(..., host_step_overlap=False)``
 gradients still leave at their hook, and an update starts when the step ends (a
 gradient changed after it left is sent again). Under ``torch.distributed`` everything
 waits for the step (DDP reduces gradients after their hooks). An iteration that
@@ -61,6 +73,11 @@ remedy); gradients accumulated over more backward passes than the profile had ra
 it at the extra pass. A parameter whose master
 copy may be stale (an op wrote the parameter on the device since its last update, e.g.
 a checkpoint restored into the model) is copied to the host before its update.
+
+The user's step hooks (the runtime's own, which end the iteration, among them) run
+once per ``optimizer.step()`` on the caller's thread: the proxy a host update runs on
+has none (a subclass whose ``step`` calls ``super().step()`` reaches the parent
+class's wrapped step, which would run them for each update, on the worker).
 
 Limits: parameters and gradients must own their storage whole (a view into a larger
 buffer cannot be shrunk alone): a plan whose host steps name such a parameter is
@@ -74,6 +91,7 @@ then does (``host_step_overlap=False`` is the remedy). ``capturable`` optimizers
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -164,6 +182,12 @@ def _proxy(optimizer: torch.optim.Optimizer, group: dict, master: torch.Tensor, 
     g["params"] = [master]
     proxy.param_groups = [g]
     proxy.state = {master: state}
+    # the user's step hooks (the runtime's among them, which end the iteration) run once
+    # per optimizer.step(), on the caller's thread: not again for each host update, which
+    # a subclass whose step calls super().step() would do (the parent's step is wrapped
+    # by Optimizer to run them)
+    proxy._optimizer_step_pre_hooks = OrderedDict()
+    proxy._optimizer_step_post_hooks = OrderedDict()
     return proxy
 
 
@@ -200,7 +224,7 @@ def update_groups(trace: Trace) -> list[tuple[list[int], set[str]]]:
     """The optimizer ops of ``trace`` in units of work, each with the parameters it
     updates (by name): ops sharing a tensor are one unit; an op without tensors joins
     the unit of the next op with some (a step counter kept on the CPU, read with
-    ``.item()``); units that touch only a parameter's optimizer state (its step counter
+    ``.item()``), a profiler range's op excepted (it stays on the device); units that touch only a parameter's optimizer state (its step counter
     on the device, in CPU mode) join the unit of that parameter. What the runtime runs
     on the host for a set of parameters is the units whose parameters all are in it:
     the whole of their update, counter included, as the optimizer's step does it."""
@@ -230,8 +254,8 @@ def update_groups(trace: Trace) -> list[tuple[list[int], set[str]]]:
     for i in reversed(opt):
         if len(trace.op_tensors[i]):
             nxt = i
-        elif nxt is not None:
-            union(i, nxt)
+        elif nxt is not None and not ops[i].name.startswith("profiler::"):
+            union(i, nxt)  # (a profiler range, as a subclass's super().step() opens, is no update's)
     tensors = trace.tensors
     units: dict[int, list[int]] = {}
     for i in opt:

@@ -96,9 +96,19 @@ class Profiling:
     """Profile, plan and predict (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
     def _on_step_pre(self, optimizer, args, kwargs) -> None:
+        # an optimizer class whose step calls super().step() runs the hooks twice (each
+        # class's step is wrapped by Optimizer): one step is the outermost pair
+        self._step_depth += 1
+        if self._step_depth > 1:
+            return
         self._in_step = True
         if self._in_iter and self._recording and self._budget_bytes is not None:
             self._check_working_set()
+
+    def _on_step_post(self, optimizer, args, kwargs) -> None:
+        self._step_depth = max(0, self._step_depth - 1)
+        if self._step_depth == 0:
+            self.end_iteration()
 
     def _check_working_set(self) -> None:
         """Refuse, before the first optimizer step changes anything, a budget below what
