@@ -294,6 +294,58 @@ class _Witnessed(torch.optim.AdamW):
         return super().step(closure)
 
 
+def _peeking(m, opt, batches, read_every: int):
+    """A loop that reads every parameter between ``backward()`` and ``step()`` (a weight
+    norm logged, an average kept) every ``read_every`` steps: losses and what it read."""
+    losses, reads = [], []
+    for i, (x, y) in enumerate(batches):
+        loss = m.loss_fn(m.model(x), y)
+        loss.backward()
+        if i % read_every == 0:
+            with torch.no_grad():
+                reads.append(torch.stack([p.sum() for p in m.model.parameters()]))
+        losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad()
+    return losses, reads
+
+
+def _peek_pair(read_every: int, **kw):
+    m0, o0 = _build("gpt-tiny")
+    batches = [m0.make_batch(4)] * STEPS
+    ref = _peeking(m0, o0, batches, read_every)
+    m1, o1 = _build("gpt-tiny")
+    with offload(m1.model, o1, budget=GPT_BUDGET, policy="zero_offload", policy_options=ZERO, **kw) as run:
+        got = _peeking(m1, o1, batches, read_every)
+    return run, ref, got, (m0, o0), (m1, o1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_parameters_read_before_the_step_every_step_are_their_old_values(overlap):
+    """Parameters read between ``backward()`` and ``step()`` on every step (the profile
+    saw it): the reads see the values before the update (no update starts in
+    backward; a parameter fetched back for the read is dropped again when its update
+    starts), and training is bitwise equal."""
+    run, (l0, r0), (l1, r1), a, b = _peek_pair(1, host_step_overlap=overlap)
+    assert run.stats.host_steps > 0 and run.stats.stale_plans == 0
+    assert run.stats.host_steps_in_backward == 0
+    assert all(torch.equal(x, y) for x, y in zip(r0, r1)), "what the loop read"
+    assert all(torch.equal(x, y) for x, y in zip(l0, l1))
+    _assert_same_model(*a, *b)
+
+
+def test_parameters_read_before_the_step_on_some_steps_only():
+    """Read on some steps only: an update begun in backward has already changed the
+    parameter the loop reads, so the run says so (OffloadError) instead of handing it
+    the new value; with ``host_step_overlap=False`` the reads and training are exact."""
+    with pytest.raises(OffloadError, match="were read between backward"):
+        _peek_pair(5)
+    run, (l0, r0), (l1, r1), a, b = _peek_pair(5, host_step_overlap=False)
+    assert run.stats.host_steps > 0
+    assert all(torch.equal(x, y) for x, y in zip(r0, r1)) and all(torch.equal(x, y) for x, y in zip(l0, l1))
+    _assert_same_model(*a, *b)
+
+
 def test_updates_start_before_backward_ends_and_stay_bitwise():
     """The overlap happens: with ZeRO-Offload's plan on gpt-tiny, on every planned step
     a host update has begun on the worker thread before backward returns (observed in

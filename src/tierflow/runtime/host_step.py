@@ -45,20 +45,23 @@ user's optimizer object stays the one they made:
   ``step()`` — parameters, ``state_dict()``, a scheduler's view — exactly as without
   tierflow.
 
-When a gradient leaves and its update starts. At the gradient's hook only if the
+When a gradient leaves and its update starts. The gradient leaves at its hook if the
 iteration follows its trace and the trace has no device op using the gradient after
 that point (a loop that clips or unscales gradients after ``backward()`` has such ops:
 its gradients leave and its updates start when ``optimizer.step()`` ends, as the loop
-left them); otherwise when the step ends.
+left them); otherwise when the step ends. The update starts with it unless the trace
+also reads the parameter after that point (a loop that logs or averages weights before
+``step()``): then at the step, the parameter fetched back for the read meanwhile (from
+its master copy, not yet updated) and dropped again when its update starts.
 
 Why an update begun in backward is exact. An update reads the gradient, the parameter,
 its optimizer state and its group's settings, and writes the last three. When it
 begins at the hook: the gradient's last write is done (the hook fires after the last
-accumulation, and the trace says no later device op touches it); the parameter's
-bytes are in its master copy and its device storage is dropped, so nothing can read
-a half-updated value (a read fetches it back, which waits for the update first); its
-state is read by no one but this update before ``step()`` returns, which waits for
-every update. The update is the optimizer's own code on the same values, so beginning
+accumulation, and the trace says no later device op touches it); the trace has no
+later device op reading the parameter either, whose bytes are in its master copy and
+whose device storage is dropped (a read the trace did not foresee fetches it back,
+which waits for the update, and is reported at the step); its state is read by no one
+but this update before ``step()`` returns, which waits for every update. The update is the optimizer's own code on the same values, so beginning
 it earlier changes when it runs, not what it computes. The trace describes the
 iteration it profiled, not this one, so what the trace cannot promise (a gradient or a
 setting changed between ``backward()`` and ``step()``) is checked when the step ends. With ``offload(..., host_step_overlap=False)``
@@ -67,9 +70,10 @@ gradient changed after it left is sent again). Under ``torch.distributed`` every
 waits for the step (DDP reduces gradients after their hooks). An iteration that
 departs from its trace takes back the updates still queued. One that changes a
 gradient after backward although its profile did not (clipping on some steps only)
-after that gradient's update began cannot be made right: ``optimizer.step()`` raises
-:class:`~tierflow.runtime.OffloadError` saying so (``host_step_overlap=False`` is the
-remedy); gradients accumulated over more backward passes than the profile had raise
+after that gradient's update began cannot be made right, nor one that reads a
+parameter before ``step()`` although its profile did not (the update has already
+changed it): ``optimizer.step()`` raises :class:`~tierflow.runtime.OffloadError`
+saying so (``host_step_overlap=False`` is the remedy); gradients accumulated over more backward passes than the profile had raise
 it at the extra pass. A parameter whose master
 copy may be stale (an op wrote the parameter on the device since its last update, e.g.
 a checkpoint restored into the model) is copied to the host before its update.
@@ -113,7 +117,8 @@ class _HostParam:
 
     name: str
     param: torch.nn.Parameter
-    last_op: int  # its gradient's last backward op in the trace
+    last_op: int  # its gradient's last device op in the trace: sent after it
+    last_read: int  # ... and the parameter's: its update starts in backward only after both
     master: torch.Tensor  # the parameter's master copy on the host
     grad_buf: torch.Tensor  # its gradient's buffer on the host
     moved: dict[str, torch.device] = field(default_factory=dict)  # state keys moved to the host: from where
@@ -123,6 +128,7 @@ class _HostParam:
     sent: bool = False  # its gradient went to the host in this iteration
     started: bool = False  # its update started in this iteration
     early: bool = False  # ... by its gradient's hook, in backward
+    peeked: bool = False  # read, in a departed iteration, after its update began in backward
     grad_entry: _Entry | None = None  # the gradient sent (to its home)
     events: list = field(default_factory=list)  # CUDA: copies the update must wait for
     settings: dict | None = None  # its group's settings (lr, ...) its update started with
@@ -327,7 +333,7 @@ class HostSteps:
         if not plan.host_steps or plan.reactive or self.optimizer is None:
             return
         named = dict(self.model.named_parameters())
-        wanted: dict[str, int] = {}  # parameter name -> its gradient's tensor id
+        wanted: dict[str, tuple[int, int]] = {}  # parameter name -> its gradient's and its tensor ids
         for h in plan.host_steps:
             key = trace.tensors[h.param].key or ""
             name = key[len("param:"):] if key.startswith("param:") else None
@@ -345,7 +351,7 @@ class HostSteps:
             if why is not None:
                 self.stats.plan_error = f"host steps not executed: {why}"
                 return
-            wanted[name] = h.grad
+            wanted[name] = (h.grad, h.param)
         # what runs on the host: the units of the optimizer's work whose parameters are
         # all host-stepped (a unit shared with a parameter the device steps stays there,
         # with all its parameters: the device step leaves out whole parameters only)
@@ -361,12 +367,15 @@ class HostSteps:
         if not wanted:
             self.stats.plan_error = "host steps not executed: each shares its optimizer op with a parameter the device steps"
             return
-        chosen: list[tuple[str, torch.nn.Parameter, int]] = []
-        for name, grad in wanted.items():
-            dev_uses = [int(u) for u in trace.uses(grad).tolist() if int(u) not in host_ops]
-            chosen.append((name, named[name], dev_uses[-1] if dev_uses else -1))
+        chosen: list[tuple[str, torch.nn.Parameter, int, int]] = []
+        for name, (grad, param) in wanted.items():
+            # (a device op reading the parameter after backward, a loop that logs or
+            # averages weights before step(), must see it before its update)
+            last_grad, last_param = (max((int(u) for u in trace.uses(t).tolist() if int(u) not in host_ops),
+                                         default=-1) for t in (grad, param))
+            chosen.append((name, named[name], last_grad, max(last_grad, last_param)))
         self._host_groups_seen = None
-        if any(self._host_group(p) is None for _, p, _ in chosen):
+        if any(self._host_group(p) is None for _, p, _, _ in chosen):
             self.stats.plan_error = "host steps not executed: a host-stepped parameter is in no param group"
             return
         cuda = self.device.type == "cuda"
@@ -375,7 +384,7 @@ class HostSteps:
             chunker = self._chunker = ChunkedStep(self.optimizer, cuda=cuda)
             chunker.install()
         chunker.freeze()  # (before the state leaves: its sizes set the chunks, as profiled)
-        for name, p, last in chosen:
+        for name, p, last, last_read in chosen:
             e = self._by_key[f"param:{name}"]
             self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
             self._ensure_resident(e)
@@ -385,7 +394,7 @@ class HostSteps:
             grad_buf = torch.empty(p.shape, dtype=g.dtype if g is not None else p.dtype, device="cpu",
                                    pin_memory=cuda)
             master.grad = grad_buf
-            hp = _HostParam(name, p, last, master, grad_buf)
+            hp = _HostParam(name, p, last, last_read, master, grad_buf)
             self._host_state_to_host(hp)
             e.home, e.synced = _u8(master.untyped_storage(), hp.nbytes), True
             self._host_params.append(hp)
@@ -518,6 +527,7 @@ class HostSteps:
             if self._op <= hp.last_op:
                 return  # not its last write yet (an earlier pass of an accumulation), or the
                 # trace has device ops reading it after backward (clipping): at the step
+            # (the trace reads the parameter after backward: sent now, updated at the step)
             if hp.future is not None or hp.started:
                 raise OffloadError(
                     f"the gradient of {hp.name} was accumulated again after its host update began "
@@ -526,7 +536,7 @@ class HostSteps:
             q, self._quiet = self._quiet, True
             try:
                 self._host_send(hp)
-                if self._host_overlap:
+                if self._host_overlap and self._op > hp.last_read:
                     self._host_start(hp)
                     hp.early = True
                     self.stats.host_steps_in_backward += 1
@@ -544,24 +554,10 @@ class HostSteps:
         if e is None or e.ref() is None:
             raise OffloadError(f"host step of {hp.name}: the runtime lost track of the parameter's storage")
         events = hp.events
-        if hp.read is not None:  # (the update rewrites the master copy the copy back reads)
-            events.append(hp.read)
-            hp.read = None
         state = self.optimizer.state[p]
         if any(isinstance(v, torch.Tensor) and id(v) not in self._host_held for v in state.values()):
             self._host_state_to_host(hp)  # load_state_dict() put device tensors there
-        # the master copy must hold the parameter's current bytes (an op wrote it since)
-        if not e.synced and e.tier != "home":
-            if e.state != RESIDENT:  # (away in the pool or the file: those bytes are the new ones)
-                self._make_room(e.nbytes, [e])
-                self._ensure_resident(e)
-            if e.arrival is not None:
-                self._copier.wait(e.arrival)
-                e.arrival = None
-            src = _u8(e.ref(), e.nbytes)
-            events.append(self._copier.copy(e.home, src, src))
-            self._count("device->host", "host", e.nbytes)
-            e.synced = True
+        self._host_sync(hp, e)
         # the gradient: to its host buffer, then off the device
         ge = self._entry(g)
         if ge is not None:
@@ -593,8 +589,32 @@ class HostSteps:
         hp.sent = True
         self._host_drop(e)
 
+    def _host_sync(self, hp: _HostParam, e: _Entry) -> None:
+        """Make the master copy hold the parameter's current bytes (an op wrote it since
+        it was last copied) and have the next update wait for the copies reading it."""
+        if hp.read is not None:  # (the update rewrites the master copy the copy back reads)
+            hp.events.append(hp.read)
+            hp.read = None
+        if not e.synced and e.tier != "home":
+            if e.state != RESIDENT:  # (away in the pool or the file: those bytes are the new ones)
+                self._make_room(e.nbytes, [e])
+                self._ensure_resident(e)
+            if e.arrival is not None:
+                self._copier.wait(e.arrival)
+                e.arrival = None
+            src = _u8(e.ref(), e.nbytes)
+            hp.events.append(self._copier.copy(e.home, src, src))
+            self._count("device->host", "host", e.nbytes)
+            e.synced = True
+
     def _host_start(self, hp: _HostParam) -> None:
         """Start ``hp``'s update on the worker (its gradient sent)."""
+        e = self._host_entry(hp)
+        if e is not None and e.ref() is not None and not (e.state != RESIDENT and e.tier == "home"):
+            # back on the device since its gradient was sent (read between backward()
+            # and step()): the update makes those bytes obsolete, as at the send
+            self._host_sync(hp, e)
+            self._host_drop(e)
         opt = self.optimizer
         if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
             raise OffloadError(
@@ -635,9 +655,16 @@ class HostSteps:
         e.state, e.tier = AWAY, "home"
 
     def _host_wait(self, e: _Entry) -> None:
-        """Before ``e`` comes back from its home: its update must have finished."""
+        """Before ``e`` comes back from its home: its update must have finished. Read in
+        an iteration that departed from its trace after its update began in backward,
+        the parameter is already updated, which a loop reading it before ``step()``
+        would not see in plain PyTorch: the step says so (see :meth:`_host_finish`)."""
         hp = self._host_by_cdata.get(e.cdata)
-        if hp is not None and hp.future is not None:
+        if hp is None:
+            return
+        if hp.early and self._stale and self._in_iter:
+            hp.peeked = True
+        if hp.future is not None:
             self._host_collect(hp)
 
     def _host_departed(self) -> None:
@@ -703,6 +730,7 @@ class HostSteps:
         q, self._quiet = self._quiet, True
         try:
             changed = [hp.name for hp in self._host_params if hp.early and self._host_grad_stale(hp)]
+            peeked = [hp.name for hp in self._host_params if hp.peeked]
             # (and the settings: an LR set between backward() and step() after an update
             # had begun would reach only the updates that began later)
             retuned = [hp.name for hp in self._host_params if hp.early and hp.settings is not None
@@ -715,7 +743,7 @@ class HostSteps:
                         self._host_send(hp)
                     self._host_start(hp)
             for hp in self._host_params:
-                hp.sent = hp.started = hp.early = False
+                hp.sent = hp.started = hp.early = hp.peeked = False
                 hp.grad_entry, hp.settings = None, None
                 hp.events = []
                 if hp.future is not None:
@@ -726,6 +754,12 @@ class HostSteps:
                     "(lr, betas, ...) were changed between backward() and optimizer.step(), after their host "
                     "updates had begun with the old ones. Change them before backward(), or pass "
                     "host_step_overlap=False")
+            if peeked and late:
+                raise OffloadError(
+                    f"the parameters {', '.join(peeked[:3])}{' ...' if len(peeked) > 3 else ''} were read between "
+                    "backward() and optimizer.step() in an iteration whose profile did not read them, after their "
+                    "host updates had begun: the read saw the updated values. Read parameters the same way on "
+                    "every step (or after step()), or pass host_step_overlap=False")
             if changed and late:
                 raise OffloadError(
                     f"the gradients of {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} were changed "
