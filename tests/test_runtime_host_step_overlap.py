@@ -346,6 +346,39 @@ def test_parameters_read_before_the_step_on_some_steps_only():
     _assert_same_model(*a, *b)
 
 
+def test_optimizer_state_dict_between_backward_and_step_is_refused_once_updates_began():
+    """``state_dict()`` between ``backward()`` and ``step()`` after updates began in
+    backward would show some parameters' state updated: refused (OffloadError); with
+    ``host_step_overlap=False`` it is plain PyTorch's, before the step."""
+    def loop(m, opt, batches):
+        sds = []
+        for x, y in batches:
+            m.loss_fn(m.model(x), y).backward()
+            with torch.no_grad():  # (clones: tensors the runtime holds away come back for them)
+                sds.append({i: {n: v.clone() for n, v in st.items()} for i, st in opt.state_dict()["state"].items()})
+            opt.step()
+            opt.zero_grad()
+        return sds
+
+    m0, o0 = _build("gpt-tiny")
+    batches = [m0.make_batch(4)] * 6
+    ref = loop(m0, o0, batches)
+    m1, o1 = _build("gpt-tiny")
+    with pytest.raises(OffloadError, match="state read or loaded between backward"):
+        with offload(m1.model, o1, budget=GPT_BUDGET, policy="zero_offload", policy_options=ZERO):
+            loop(m1, o1, batches)
+    m2, o2 = _build("gpt-tiny")
+    with offload(m2.model, o2, budget=GPT_BUDGET, policy="zero_offload", policy_options=ZERO,
+                 host_step_overlap=False) as run:
+        got = loop(m2, o2, batches)
+    assert run.stats.host_steps > 0
+    for a, b in zip(ref, got):
+        assert a.keys() == b.keys()
+        for k, st in a.items():
+            assert all(torch.equal(v, b[k][n]) for n, v in st.items())
+    _assert_same_model(m0, o0, m2, o2)
+
+
 def test_updates_start_before_backward_ends_and_stay_bitwise():
     """The overlap happens: with ZeRO-Offload's plan on gpt-tiny, on every planned step
     a host update has begun on the worker thread before backward returns (observed in

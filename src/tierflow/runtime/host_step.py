@@ -89,7 +89,9 @@ followed without its host steps (``run.stats.plan_error`` says why). Group setti
 read when each update starts: a setting changed between ``backward()`` and
 ``optimizer.step()`` (an LR scheduler stepped before the optimizer) after some updates
 began raises :class:`~tierflow.runtime.OffloadError` at the step, as a gradient changed
-then does (``host_step_overlap=False`` is the remedy). ``capturable`` optimizers cannot run on the host.
+then does, and ``state_dict()``/``load_state_dict()`` called between ``backward()``
+and ``step()`` once updates began raises at the call (the state is half updated)
+(``host_step_overlap=False`` is the remedy for each). ``capturable`` optimizers cannot run on the host.
 """
 
 from __future__ import annotations
@@ -401,6 +403,8 @@ class HostSteps:
             self._host_by_cdata[e.cdata] = hp
             self._host_hooks.append(p.register_post_accumulate_grad_hook(self._host_hook(hp)))
         chunker.skip = {id(hp.param) for hp in self._host_params}
+        self._host_hooks.append(self.optimizer.register_state_dict_pre_hook(self._host_state_read))
+        self._host_hooks.append(self.optimizer.register_load_state_dict_pre_hook(self._host_state_read))
         if self._host_worker is None:
             self._host_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierflow-host-step")
         self._host_active = True
@@ -543,6 +547,17 @@ class HostSteps:
             finally:
                 self._quiet = q
         return hook
+
+    def _host_state_read(self, optimizer: Any, *args: Any) -> None:
+        """``state_dict()`` / ``load_state_dict()`` between ``backward()`` and ``step()``
+        once updates began in backward: the state is half updated; refused."""
+        early = [hp.name for hp in self._host_params if hp.early]
+        if early:
+            raise OffloadError(
+                f"optimizer state read or loaded between backward() and optimizer.step() while the host "
+                f"updates of {', '.join(early[:3])}{' ...' if len(early) > 3 else ''} had begun in backward: "
+                "call state_dict()/load_state_dict() before backward() or after step(), or pass "
+                "host_step_overlap=False")
 
     def _host_send(self, hp: _HostParam) -> None:
         """Send ``hp``'s gradient to its host buffer (and off the device), make sure the
