@@ -59,7 +59,7 @@ def test_tierflow_levers_on_dropout_and_batchnorm():
     from test_runtime_recompute import _assert_bitwise, _dropnorm_run
 
     ref = _dropnorm_run(20)
-    got = _dropnorm_run(20, budget="50%", policy="tierflow", hardware=_slow_links())
+    got = _dropnorm_run(20, budget="60%", policy="tierflow", hardware=_slow_links())
     _assert_bitwise(got, ref)
     s = got[-1].stats
     assert s.recomputed_ops > 0 or s.host_steps > 0
