@@ -250,14 +250,20 @@ def _clipped(m, opt, batches, clip_every: int):
     return losses
 
 
-def _clip_pair(clip_every: int, **kw):
+def _loop_pair(loop, every: int, **kw):
+    """A user ``loop`` (one of those above) run plain and under ZeRO-Offload's plan on
+    gpt-tiny: the run, both results, both (model, optimizer) pairs."""
     m0, o0 = _build("gpt-tiny")
     batches = [m0.make_batch(4)] * STEPS
-    ref = _clipped(m0, o0, batches, clip_every)
+    ref = loop(m0, o0, batches, every)
     m1, o1 = _build("gpt-tiny")
     with offload(m1.model, o1, budget=GPT_BUDGET, policy="zero_offload", policy_options=ZERO, **kw) as run:
-        got = _clipped(m1, o1, batches, clip_every)
+        got = loop(m1, o1, batches, every)
     return run, ref, got, (m0, o0), (m1, o1)
+
+
+def _clip_pair(clip_every: int, **kw):
+    return _loop_pair(_clipped, clip_every, **kw)
 
 
 def test_gradients_clipped_every_step_are_updated_clipped():
@@ -311,13 +317,7 @@ def _peeking(m, opt, batches, read_every: int):
 
 
 def _peek_pair(read_every: int, **kw):
-    m0, o0 = _build("gpt-tiny")
-    batches = [m0.make_batch(4)] * STEPS
-    ref = _peeking(m0, o0, batches, read_every)
-    m1, o1 = _build("gpt-tiny")
-    with offload(m1.model, o1, budget=GPT_BUDGET, policy="zero_offload", policy_options=ZERO, **kw) as run:
-        got = _peeking(m1, o1, batches, read_every)
-    return run, ref, got, (m0, o0), (m1, o1)
+    return _loop_pair(_peeking, read_every, **kw)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
