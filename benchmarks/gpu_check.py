@@ -32,7 +32,10 @@ Sections (one table each):
    accounts (``run.stats.peak_device_bytes_planned``). ``within``: that peak is at most
    the budget -- the check. ``whole run`` is the same over every step, the warm-up ones
    included (Adam's first step and the profiled one run reactive; on CUDA also the
-   planner's bandwidth probe): shown, not checked.
+   planner's bandwidth probe): shown, not checked. ``untracked``: the device memory
+   in use that no storage tierflow tracks explains (cuBLAS's workspaces, the caching
+   allocator's rounding), measured while profiling; the plan keeps it free
+   (``run.stats.untracked_device_bytes``; 0 on CPU).
 4. **throughput** -- median step time over the timed steps (after warm-up; each step
    synchronised on CUDA; the mean is in the JSON) of plain PyTorch,
    ``torch.utils.checkpoint`` around every transformer block / residual stage (put on
@@ -302,7 +305,9 @@ def tierflow_row(name: str, batch: int, seq: int | None, share: float | None, re
                cuda_max_allocated=timed_peak, cuda_max_allocated_warmup=warm_peak,
                stats_step_time_s=st.step_time_s, predicted_step_time_s=st.predicted_step_time_s,
                policy=st.policy, plan_error=st.plan_error, warm_steps=warm, planned_steps=st.planned_steps,
-               moved_bytes=int(sum(st.moved_bytes.values())), stalls=st.stalls)
+               moved_bytes=int(sum(st.moved_bytes.values())), stalls=st.stalls,
+               untracked_device_bytes=st.untracked_device_bytes, link_bytes_per_s=dict(st.link_bytes_per_s),
+               blocking_waits=dict(st.blocking_waits), unplanned_evictions=st.unplanned_evictions)
     return row
 
 
@@ -342,9 +347,10 @@ def report(out: dict[str, Any]) -> None:
                 [[r["model"], r["steps"], r["policy"], mib(r["moved_bytes"]), r["parity"], r["detail"] or "-"]
                  for r in out["parity"]])
     print_table("3. tierflow's peak under its budget (MiB): timed steps (checked), whole run incl. profiling",
-                ["model", "budget", "budget MiB", "peak", "within", "whole run", "within", "peak by"],
+                ["model", "budget", "budget MiB", "peak", "within", "whole run", "within", "untracked", "peak by"],
                 [[r["model"], share_label(r["budget_share"]), mib(r["budget_bytes"]), mib(r["peak_bytes"]), r["within"],
-                  mib(r["whole_run_peak_bytes"]), r["within_whole_run"], r["peak_by"]] for r in out["budget"]])
+                  mib(r["whole_run_peak_bytes"]), r["within_whole_run"], mib(r["untracked_device_bytes"]), r["peak_by"]]
+                 for r in out["budget"]])
     rows = []
     for r in out["throughput"]:
         label = r["config"] + ("" if r["config"] != "tierflow" else f" {share_label(r['budget_share'])}")
@@ -448,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     tf = [r for r in runs if r["config"] == "tierflow" and "error" not in r]
     budget = [{k: r[k] for k in ("model", "budget_share", "budget_bytes", "peak_bytes", "peak_by", "whole_run_peak_bytes",
                                  "accounted_peak_bytes", "accounted_peak_planned_bytes", "cuda_max_allocated",
-                                 "cuda_max_allocated_warmup")}
+                                 "cuda_max_allocated_warmup", "untracked_device_bytes")}
               | {"within": r["peak_bytes"] <= r["budget_bytes"],
                  "within_whole_run": r["whole_run_peak_bytes"] <= r["budget_bytes"]}
               for r in tf if r["budget_bytes"] is not None]

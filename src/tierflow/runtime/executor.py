@@ -232,7 +232,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._frees: deque[tuple[Any, Any, int, int]] = deque()  # (event, arena, off, n)
         self._writes: list[_Entry] = []
         self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room
-        self._device_bytes = 0
+        self._device_bytes = 0  # accounted: resident storages and those still leaving
+        self._leaving: deque[tuple[Any, int]] = deque()  # (event, bytes) of copies out in flight (CUDA)
+        self._leaving_bytes = 0
+        self._cuda = self.device.type == "cuda"
+        self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
@@ -375,6 +379,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._warmup = True
         self._iters_begun += 1
         self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
+        self._op_events: list[tuple[Any, Any]] = []  # CUDA: (start, end) per recorded op
         self._sigs: list[tuple] = []
         if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
             self._facts_begin()
@@ -539,9 +544,17 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._ensure_resident(e)
             if e.pins and not special:
                 e.touched = True
-        t0 = time.perf_counter() if self._recording else 0.0
-        out = func(*args, **kwargs)
-        dur = time.perf_counter() - t0 if self._recording else 0.0
+        timed = self._recording and in_iter and not following
+        if timed and self._cuda:  # the op's GPU time: events around it, read at the trace
+            ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev0.record()
+            out = func(*args, **kwargs)
+            ev1.record()
+            dur = 0.0
+        else:
+            t0 = time.perf_counter() if timed else 0.0
+            out = func(*args, **kwargs)
+            dur = time.perf_counter() - t0 if timed else 0.0
         label = f"{name}#{i}"
         leaves = _leaves(out)
         outs = [e for e in (self._entry(t, label) for t in (_unwrap(leaves) if types else leaves)) if e is not None]
@@ -564,6 +577,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             if self._recording:
                 phase = "backward" if torch._C._current_graph_task_id() != -1 else self._phase()
                 self._rec.append((name, phase, dur, list(dict.fromkeys(in_ids)), list(dict.fromkeys(out_ids))))
+                if self._cuda:
+                    self._op_events.append((ev0, ev1))
+                    # device memory in use that no tracked storage explains (library
+                    # workspaces, the allocator's rounding, the user's other tensors);
+                    # bytes still leaving are not in the allocator's count any more
+                    seen = torch.cuda.memory_allocated(self.device) - self._device_bytes + self._leaving_bytes
+                    if seen > self._untracked_seen:
+                        self._untracked_seen = seen
                 self._note_facts(scope, func, args, kwargs)
                 self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
         self._note_peak()

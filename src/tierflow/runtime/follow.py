@@ -77,6 +77,8 @@ class PlanFollowing:
             if e.ref() is None or e.state != AWAY:
                 self._pending.popleft()
                 continue
+            if self._device_bytes + e.nbytes > self.budget and self._leaving:
+                self._retire_leaving()  # (copies out that landed since give their room)
             if self._device_bytes + e.nbytes > self.budget:
                 if not self._hinted:
                     return  # a planned prefetch waits for room (as simulated)

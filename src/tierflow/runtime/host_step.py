@@ -587,12 +587,13 @@ class HostSteps:
             if _whole(g, n) and n == hp.grad_buf.numel() * hp.grad_buf.element_size():
                 home = _u8(hp.grad_buf.untyped_storage(), n)
                 src = _u8(gst, n)
-                events.append(self._copier.copy(home, src, src))
+                ev = self._copier.copy(home, src, src)
+                events.append(ev)
                 del src
                 if ge.resizable and not ge.pins and not ge.foreign:
                     gst.resize_(0)
                     ge.state, ge.tier, ge.home, ge.slot = AWAY, "home", home, -1
-                    self._device_bytes -= n
+                    self._leave(ev, n)  # (counted until the copy has read it)
                     self._lru.pop(ge.cdata, None)
             else:  # (a view into a larger gradient buffer: copied, left where it is)
                 events.append(self._copier.copy(hp.grad_buf, g.detach(), g))

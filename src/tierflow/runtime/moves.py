@@ -35,9 +35,15 @@ class Moves:
 
     def _make_room(self, need: int, keep: list[_Entry]) -> None:
         """Evict least recently used owned tensors (not those in ``keep``) until ``need``
-        more bytes fit the budget."""
+        more bytes fit the budget. On CUDA the bytes of an eviction count until its copy
+        has read them (:meth:`_leave`): victims are chosen as if they had left, then the
+        host waits for the oldest copies out until ``need`` fits."""
         if self._device_bytes + need <= self.budget:
             return
+        if self._leaving:
+            self._retire_leaving()
+            if self._device_bytes + need <= self.budget:
+                return
         if self._foreign:  # storages FSDP freed still count at their old size until looked at
             self._sync_foreign()
             if self._device_bytes + need <= self.budget:
@@ -47,22 +53,54 @@ class Moves:
         pinned = {e.cdata for e in keep}
         if self._in_iter and self._planned and not self._stale:
             for e in self._victims(pinned):  # Belady: the trace's next use, furthest first
-                if self._device_bytes + need <= self.budget:
+                if self._device_bytes - self._leaving_bytes + need <= self.budget:
                     break
                 if self._evict(e, "host"):
                     self.stats.unplanned_evictions += 1
-            return
-        # least recently used first, found lazily: the front of the LRU order, skipping
-        # what this op needs and what cannot move now
-        lru, skip = self._lru, pinned
-        while self._device_bytes + need > self.budget:
-            victim = next((e for c, e in lru.items() if c not in skip), None)
-            if victim is None:
-                return
-            if self._evict(victim, "host"):
-                self.stats.unplanned_evictions += 1
-            else:
-                skip = skip | {victim.cdata}
+        else:
+            # least recently used first, found lazily: the front of the LRU order, skipping
+            # what this op needs and what cannot move now
+            lru, skip = self._lru, pinned
+            while self._device_bytes - self._leaving_bytes + need > self.budget:
+                victim = next((e for c, e in lru.items() if c not in skip), None)
+                if victim is None:
+                    break
+                if self._evict(victim, "host"):
+                    self.stats.unplanned_evictions += 1
+                else:
+                    skip = skip | {victim.cdata}
+        if self._leaving:
+            self._retire_leaving(need)
+
+    def _leave(self, ev: object, n: int) -> None:
+        """A storage of ``n`` device bytes was shrunk while the copy ``ev`` still reads
+        them. NOTE: on CUDA the caching allocator keeps the block from reuse until the
+        copy's stream has passed (``record_stream``), so the bytes are still taken on
+        the device: they count against the budget until the copy completes, as the
+        simulator holds an eviction's bytes until it lands. (On CPU ``ev`` is None:
+        the copy is done.)"""
+        if ev is None:
+            self._device_bytes -= n
+        else:
+            self._leaving.append((ev, n))
+            self._leaving_bytes += n
+
+    def _retire_leaving(self, need: int | None = None, every: bool = False) -> None:
+        """Stop counting the bytes of copies out that have completed (they complete in
+        order: one stream). With ``need``: block on the oldest until ``need`` more bytes
+        fit the budget (each such wait is counted); ``every``: on all of them."""
+        lv = self._leaving
+        while lv and lv[0][0].query():
+            n = lv.popleft()[1]
+            self._device_bytes -= n
+            self._leaving_bytes -= n
+        while lv and (every or (need is not None and self._device_bytes + need > self.budget)):
+            if not every:
+                self._copier.count_wait("eviction in flight")
+            ev, n = lv.popleft()
+            ev.synchronize()
+            self._device_bytes -= n
+            self._leaving_bytes -= n
 
     def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
         st = e.ref()
@@ -106,7 +144,7 @@ class Moves:
             e.slot = off
         elif tier == "host":
             src = _u8(st, n)
-            self._copier.copy(self._host.view(off, n), src, src)
+            ev = e.departure = self._copier.copy(self._host.view(off, n), src, src)
             del src
             e.slot = off
         else:
@@ -124,7 +162,10 @@ class Moves:
             del src
         st.resize_(0)
         e.state, e.tier = AWAY, tier
-        self._device_bytes -= n
+        if self._memmove and tier == "host":
+            self._device_bytes -= n
+        else:
+            self._leave(ev, n)
         self._lru.pop(e.cdata, None)
         self._count(f"device->{tier}", tier, n)
         k = f"{e.kind}@{tier}"
@@ -239,7 +280,9 @@ class Moves:
         elif e.tier == "host":
             st.resize_(n)
             dst = _u8(st, n)
-            ev = self._copier.copy(dst, self._host.view(e.slot, n), dst)
+            # (the copy in follows the copy out: two streams, see streams.py)
+            ev = self._copier.copy(dst, self._host.view(e.slot, n), dst, after=e.departure)
+            e.departure = None
             self._frees.append((ev, self._host.arena, e.slot, n))
         elif e.tier == "home":  # a host step's buffer (runtime/host_step.py): its update first
             self._host_wait(e)
@@ -355,6 +398,8 @@ class Moves:
             ev, arena, off, n = self._frees.popleft()
             Copier.synchronize(ev)
             arena.release(off, n)
+        if self._leaving:
+            self._retire_leaving(every=wait)
         for e in list(self._writes):
             self._finish_write(e, wait=wait)
 

@@ -46,6 +46,29 @@ def _measure_copy_bw(device: torch.device) -> float:
     return 3 * n / max(time.perf_counter() - t0, 1e-9)
 
 
+def _measure_cuda_links(device: torch.device, nbytes: int = 32 << 20, rounds: int = 3) -> tuple[float, float]:
+    """Bytes/s of pinned device-to-host and host-to-device copies of ``nbytes``, each
+    direction alone, timed with events on a side stream (what the runtime's copies are)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    rates = []
+    with torch.cuda.stream(side):
+        for dst, src in ((host, dev), (dev, host)):
+            dst.copy_(src, non_blocking=True)  # (warm)
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record(side)
+            for _ in range(rounds):
+                dst.copy_(src, non_blocking=True)
+            t1.record(side)
+            t1.synchronize()
+            rates.append(rounds * nbytes / max(t0.elapsed_time(t1) / 1e3, 1e-9))
+    side.synchronize()
+    del host, dev
+    return rates[0], rates[1]
+
+
 def _bindings(trace: Trace, sigs: list[tuple], named: set[int] = frozenset()) -> tuple[list[tuple | None], list[tuple | None]]:
     """Where a followed iteration finds the tensors the plan and the follower name: per
     op, ``(position among its inputs or outputs, trace id, expected key or size)`` for
@@ -146,9 +169,18 @@ class Profiling:
                 kind = "parameter"  # held across iterations outside any op: model state
             tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, kind in ("parameter", "optimizer_state"),
                                       e.name, e.key))
-        facts = self._ops_facts(self._rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
+        rec = self._rec
+        if self._op_events and len(self._op_events) == len(rec):
+            # CUDA: each op's time on the compute stream between events recorded around
+            # it (the host's time around a launch says nothing of the kernel); gaps where
+            # the GPU waited for the launch are in it, the runtime's own work between ops
+            # is not
+            torch.cuda.synchronize(self.device)
+            rec = [(n, ph, a.elapsed_time(b) / 1e3, i, o) for (n, ph, _d, i, o), (a, b) in zip(rec, self._op_events)]
+        self._op_events = []
+        facts = self._ops_facts(rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
         ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs), *f)
-               for (name, phase, d, ins, outs), f in zip(self._rec, facts)]
+               for (name, phase, d, ins, outs), f in zip(rec, facts)]
         trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": "measured"})
         self._trace_sigs_next = list(self._sigs)
@@ -178,6 +210,8 @@ class Profiling:
             base = load_hardware(self._hardware_arg or "h100-80g-pcie5-nvme")
             cap = float(torch.cuda.get_device_properties(self.device).total_memory)
             hw = base.with_tier(base.device, capacity=cap)
+            if self._hardware_arg is None:
+                hw = self._measured_links(hw)
             host = next((t.name for t in hw.tiers if t.kind == "host"), None)
             if host is not None:
                 hw = hw.with_tier(host, capacity=float(self._host.capacity))
@@ -212,6 +246,28 @@ class Profiling:
                         description="CPU mode: device and host are both RAM, the budget accounted",
                         host_compute=host, move_issue_s=move_s)
 
+    def _measured_links(self, hw: Hardware) -> Hardware:
+        """The preset's device<->host links (and the buses they cross) at the copy rates
+        measured here: the preset's PCIe figures are a vendor's, this machine's are not."""
+        if not self.stats.link_bytes_per_s:
+            d2h, h2d = _measure_cuda_links(self.device)
+            if self._sync is not None:
+                d2h, h2d = self._sync.min(d2h), self._sync.min(h2d)
+            self.stats.link_bytes_per_s = {"device->host": d2h, "host->device": h2d}
+        rate = self.stats.link_bytes_per_s
+        host = {t.name for t in hw.tiers if t.kind == "host"}
+        links, buses = [], dict(hw.buses)
+        for link in hw.links:
+            bw = (rate["device->host"] if link.src == hw.device and link.dst in host
+                  else rate["host->device"] if link.dst == hw.device and link.src in host else None)
+            if bw is not None:
+                links.append(replace(link, bandwidth=bw))
+                for b in link.buses:
+                    buses[b] = bw
+            else:
+                links.append(link)
+        return replace(hw, links=tuple(links), buses=buses)
+
     def _make_plan(self, trace: Trace) -> bool:
         """Plan from ``trace``; False if the trace cannot be planned from yet (the
         budget, only now known, splits the optimizer step into chunks the profiled
@@ -224,6 +280,13 @@ class Profiling:
         if self._budget_share is not None:
             self.budget = self._budget_share * trace.peak_live_bytes
             self.stats.budget_bytes = self.budget
+        if self._cuda and math.isfinite(self.stats.budget_bytes):
+            # NOTE: the budget is what torch.cuda.max_memory_allocated may reach; part of
+            # that is memory no tracked storage holds (cuBLAS's workspaces, the caching
+            # allocator rounding blocks up): measured while profiling, it is kept free
+            reserve = int(self._untracked_seen)
+            self.budget = self.stats.budget_bytes - reserve
+            self.stats.untracked_device_bytes = reserve
         chunker = self._chunker
         if chunker is not None and chunker.cap is None and math.isfinite(self.budget):
             chunker.cap = chunker.cap_for(self.budget)

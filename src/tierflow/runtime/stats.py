@@ -23,6 +23,13 @@ class RunStats:
         peak_device_bytes_planned: the same over planned iterations only.
         cuda_max_allocated: ``torch.cuda.max_memory_allocated`` (CUDA only).
         budget_bytes: the device budget in force (``inf``: none).
+        untracked_device_bytes: CUDA: the most device memory in use that no tracked
+            storage explains, seen while profiling (cuBLAS's workspaces, the caching
+            allocator's rounding, tensors made outside the block); plans and the pager
+            keep the tracked bytes within ``budget_bytes`` minus this, so that
+            ``torch.cuda.max_memory_allocated`` stays within the budget. 0 on CPU.
+        link_bytes_per_s: CUDA: the measured pinned copy rate per direction
+            (``device->host``, ``host->device``) the plan was made with.
         moved_bytes: bytes copied per tier, both directions (``host``, ``ssd``).
         transfers: bytes per direction (``device->host``, ``ssd->device``, ...).
         moves_by_kind: count of evictions per ``(tensor kind, tier)``, as ``"kind@tier"``.
@@ -57,7 +64,8 @@ class RunStats:
             the SSD bounce buffer; CPU: none).
         blocking_waits: times the host waited for a copy or SSD transfer to finish, by
             reason (``pool full``, ``bounce full``, ``ssd read``, ``write retired``,
-            ``copy in flight``). A plan whose transfers fit their buffers and land in
+            ``copy in flight``, ``eviction in flight``: CUDA, room the budget needs is still
+            being copied out). A plan whose transfers fit their buffers and land in
             time leaves it empty: the host never waits for the device otherwise.
         host_pool_peak: highest bytes in use in the host pool.
         rank, world_size: this process in ``torch.distributed`` (0 and 1 without it).
@@ -93,6 +101,8 @@ class RunStats:
     peak_device_bytes_unconstrained: int = 0
     cuda_max_allocated: int | None = None
     budget_bytes: float = math.inf
+    untracked_device_bytes: int = 0
+    link_bytes_per_s: dict[str, float] = field(default_factory=dict)
     moved_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "ssd": 0})
     transfers: dict[str, int] = field(default_factory=dict)
     moves_by_kind: dict[str, int] = field(default_factory=dict)

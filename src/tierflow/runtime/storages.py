@@ -46,6 +46,7 @@ class _Entry:
     bounce: int = -1  # SSD: bounce slot holding the bytes (write in flight, or read landed)
     io: Any = None  # SSD: the Future of the write or read in flight
     arrival: Any = None  # CUDA: event of the copy that brought it back
+    departure: Any = None  # CUDA: event of the copy that took it to the host pool
     pins: int = 0  # collectives in flight that read or write it: not to be moved
     touched: bool = False  # an op used it after the collective that pinned it
     foreign: bool = False  # resized by someone else (FSDP's unsharded parameters): never moved

@@ -1,16 +1,19 @@
-"""Copies between the device and host memory, on a side stream ordered by events.
+"""Copies between the device and host memory, on side streams ordered by events.
 
 One class, two back ends, one calling convention, so the executor has a single code
-path: :class:`Copier` on CUDA issues every copy on one side stream and returns the CUDA
+path: :class:`Copier` on CUDA issues every copy on a side stream and returns the CUDA
 event recorded after it; on CPU the copy runs at once and the "event" is ``None``
 (already complete). Nothing here blocks the host on the hot path: the compute stream
 *waits on* an event (a GPU-side dependency); the host only synchronises on an event
 when it must reuse the memory the copy reads (a full pool) or at the end of the run.
 
-Why one side stream and not one per direction: evictions and prefetches then complete
-in issue order, which keeps slot reuse in the pool simple; the price is that a
-prefetch queued behind a large eviction waits for it (the plan issues evictions first
-at each op, as the simulator assumes).
+Why one side stream per direction: PCIe is full duplex and the GPU has a copy engine
+for each way, so evictions (device to host) and prefetches (host to device) run at the
+same time, as the simulator's hardware model has them (one link, one bus per
+direction). On one stream a prefetch queued behind an eviction waited for it, and a
+step that moves as much in as out took twice its transfer time (measured on an H200,
+see BENCHMARKS.md). The price is ordering: a copy back of a tensor must wait for its
+copy out, which the caller says with ``after``.
 """
 
 from __future__ import annotations
@@ -35,30 +38,35 @@ class Copier:
         # steady state should leave this empty
         self.waits: dict[str, int] = {}
         if self.cuda:
-            self.side = torch.cuda.Stream(device)
+            self.outward = torch.cuda.Stream(device)  # device -> host
+            self.inward = torch.cuda.Stream(device)  # host -> device
             self.compute = torch.cuda.current_stream(device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, dev_tensor: torch.Tensor) -> Any:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, dev_tensor: torch.Tensor, after: Any = None) -> Any:
         """Copy ``src`` into ``dst`` (one is on the device: ``dev_tensor``); return an
         event that completes when the copy has.
 
-        On CUDA the side stream first waits for the work queued so far on the compute
-        stream (the producer of ``src``, or the allocation of ``dst``), and the device
-        tensor is marked as used by the side stream (``record_stream``): if the executor
-        frees it right after, the caching allocator will not hand its block to another
-        tensor before the copy has read it.
+        On CUDA the copy runs on the side stream of its direction, which first waits for
+        the work queued so far on the compute stream (the producer of ``src``, or the
+        allocation of ``dst``) and for ``after`` (an earlier copy's event: the copy out
+        whose bytes this copy brings back). The device tensor is marked as used by that
+        stream (``record_stream``): if the executor frees it right after, the caching
+        allocator will not hand its block to another tensor before the copy has read it.
         """
         if not self.cuda:
             dst.copy_(src)
             return None
+        side = self.inward if dst is dev_tensor else self.outward
         ready = torch.cuda.Event()
         ready.record(self.compute)
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(ready)
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            if after is not None:
+                side.wait_event(after)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.side)
-        dev_tensor.record_stream(self.side)
+            done.record(side)
+        dev_tensor.record_stream(side)
         return done
 
     def wait(self, event: Any) -> None:
@@ -84,7 +92,8 @@ class Copier:
 
     def drain(self) -> None:
         if self.cuda:
-            self.side.synchronize()
+            self.outward.synchronize()
+            self.inward.synchronize()
 
 
 __all__ = ["Copier"]
