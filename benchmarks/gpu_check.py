@@ -255,6 +255,8 @@ def parity(name: str, batch: int, seq: int | None, s: Settings, host_bytes: int)
     row = {"model": name, "batch": batch, "seq": seq, "steps": res.steps, "budget_bytes": int(st.budget_bytes),
            "parity": res.parity, "detail": res.parity_detail, "policy": st.policy,
            "planned_steps": st.planned_steps, "moved_bytes": int(sum(st.moved_bytes.values())),
+           "host_stepped_params": st.host_stepped_params, "recomputed_ops": st.recomputed_ops,
+           "untracked_device_bytes": st.untracked_device_bytes,
            "plan_error": st.plan_error, "deterministic_algorithms": s.device.type == "cuda",
            "nondeterministic_ops": warned}
     del res  # it holds both models
@@ -307,7 +309,8 @@ def tierflow_row(name: str, batch: int, seq: int | None, share: float | None, re
                policy=st.policy, plan_error=st.plan_error, warm_steps=warm, planned_steps=st.planned_steps,
                moved_bytes=int(sum(st.moved_bytes.values())), stalls=st.stalls,
                untracked_device_bytes=st.untracked_device_bytes, link_bytes_per_s=dict(st.link_bytes_per_s),
-               blocking_waits=dict(st.blocking_waits), unplanned_evictions=st.unplanned_evictions)
+               blocking_waits=dict(st.blocking_waits), unplanned_evictions=st.unplanned_evictions,
+               host_stepped_params=st.host_stepped_params, recomputed_ops=st.recomputed_ops)
     return row
 
 

@@ -126,3 +126,34 @@ def test_state_dict_scheduler_and_clipping_are_the_users():
         for k, v in ob.state[q].items():
             assert torch.equal(oa.state[p][k], v), k
     assert "step" not in oa.__dict__ or "_wrapped_by_lr_sched" in oa.step.__dict__
+
+
+def test_host_steps_false_keeps_tierflow_from_them():
+    """The plan that steps the optimizer on the host where links are slow (above) does
+    without when host steps are refused, keeps the budget and stays bitwise."""
+    res = train("gpt-tiny", budget="50%", steps=6, policy="tierflow", check_parity=True, hardware=_slow_links(),
+                host_steps=False)
+    assert res.parity, res.parity_detail
+    assert not res.run.plan.host_steps and res.stats.host_steps == 0
+    s = res.stats
+    assert s.planned_steps >= 3 and s.stale_plans == 0 and s.peak_device_bytes <= s.budget_bytes
+
+
+def test_on_cuda_tierflow_chooses_host_steps_only_when_asked():
+    """The planner's machine has no host compute for tierflow on CUDA unless
+    ``host_steps=True``; a policy whose method is host steps keeps it (checked without a
+    GPU: the choice depends only on the device type and the knob)."""
+    from tierflow.runtime.executor import Run
+
+    model = torch.nn.Linear(4, 4)
+    hw = _slow_links()
+    assert hw.host_compute is not None
+
+    def planner_host(host_steps, policy, cuda=True):
+        run = Run(model, None, host_steps=host_steps)
+        run._cuda = cuda
+        return run._plan_hardware(hw, policy).host_compute is not None
+
+    assert not planner_host(None, "tierflow") and planner_host(None, "zero_offload")
+    assert planner_host(True, "tierflow") and not planner_host(False, "zero_offload")
+    assert planner_host(None, "tierflow", cuda=False)  # CPU: the same kernels, bitwise

@@ -171,12 +171,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         policy_options: dict[str, Any] | None = None,
         sync_ranks: bool = True,
         host_step_overlap: bool = True,
+        host_steps: bool | None = None,
     ):
         self.model, self.optimizer = model, optimizer
         p = next(model.parameters(), None)
         self.device = p.device if p is not None else torch.device("cpu")
         if self.device.type not in ("cpu", "cuda"):
             raise OffloadError(f"offload: the model is on {self.device}; expected cpu or cuda")
+        self._cuda = self.device.type == "cuda"
         self._budget_bytes, self._budget_share = _budget_spec(budget)
         self.budget = math.inf if self._budget_bytes is None else self._budget_bytes
         self._policy_arg = policy
@@ -193,6 +195,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._io_workers = io_workers
         self._sync_ranks = sync_ranks
         self._host_overlap = host_step_overlap  # [host steps] start updates in backward
+        self._host_steps = host_steps  # [host steps] may the planner choose them (see _plan_hardware)
         self._sync: Any = None  # a distributed.RankSync while the block is open, with >1 ranks
         self._copy_bw: float | None = None  # agreed by the ranks before planning
         self.stats = RunStats(budget_bytes=self.budget)
@@ -235,8 +238,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._device_bytes = 0  # accounted: resident storages and those still leaving
         self._leaving: deque[tuple[Any, int]] = deque()  # (event, bytes) of copies out in flight (CUDA)
         self._leaving_bytes = 0
-        self._cuda = self.device.type == "cuda"
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
+        self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
@@ -285,6 +288,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._hooks.append(self.optimizer.register_step_post_hook(self._on_step_post))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            # what was on the device before the block (another model, the data) is not
+            # the run's: untracked memory is counted above this
+            self._untracked_base = torch.cuda.memory_allocated(self.device) - self._device_bytes
         self._mode = _Mode(self)
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._mode.__enter__()
@@ -582,7 +588,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     # device memory in use that no tracked storage explains (library
                     # workspaces, the allocator's rounding, the user's other tensors);
                     # bytes still leaving are not in the allocator's count any more
-                    seen = torch.cuda.memory_allocated(self.device) - self._device_bytes + self._leaving_bytes
+                    seen = (torch.cuda.memory_allocated(self.device) - self._untracked_base
+                            - self._device_bytes + self._leaving_bytes)
                     if seen > self._untracked_seen:
                         self._untracked_seen = seen
                 self._note_facts(scope, func, args, kwargs)
@@ -883,6 +890,15 @@ def offload(
             (``False``: for loops that change gradients after ``backward()`` on some steps
             only, which an update already under way would miss; see
             :mod:`tierflow.runtime.host_step`).
+        host_steps: may the plan update parameters with the optimizer on the host (it
+            frees their optimizer state's device memory and overlaps backward)? The
+            host's optimizer kernels are not the GPU's and can round differently, so on
+            CUDA the parameters they update can differ from plain PyTorch's in their last
+            bits (and later steps' losses with them). ``None`` (default): on CPU yes
+            (the same kernels: bitwise equal); on CUDA only for a policy whose method is
+            host updates (``zero_offload``, ``zero_infinity``), not for ``tierflow``'s
+            own choice. ``True``: tierflow may choose them on CUDA too. ``False``: no
+            policy gets them.
 
     Returns:
         A :class:`Run`; use it as a context manager.

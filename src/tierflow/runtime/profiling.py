@@ -246,6 +246,17 @@ class Profiling:
                         description="CPU mode: device and host are both RAM, the budget accounted",
                         host_compute=host, move_issue_s=move_s)
 
+    def _plan_hardware(self, hw: Hardware, policy: str) -> Hardware:
+        """The machine the policy plans for: without a host to step the optimizer on
+        where host steps are not wanted (``offload(host_steps=...)``): on CUDA, by
+        default, tierflow's planner does not choose them, since the host's optimizer
+        kernels can round differently from the GPU's and the user expects parameters
+        equal to plain PyTorch's."""
+        allowed = self._host_steps
+        if allowed is None:
+            allowed = not self._cuda or policy != "tierflow"
+        return hw if allowed or hw.host_compute is None else replace(hw, host_compute=None)
+
     def _measured_links(self, hw: Hardware) -> Hardware:
         """The preset's device<->host links (and the buses they cross) at the copy rates
         measured here: the preset's PCIe figures are a vendor's, this machine's are not."""
@@ -314,7 +325,7 @@ class Profiling:
                 # copied per step, 12% slower than plain PyTorch).
                 options["levers"] = "move"
             try:
-                plan = make_plan(name, trace, hw, budget=budget, **options)
+                plan = make_plan(name, trace, self._plan_hardware(hw, name), budget=budget, **options)
             except PlanError as e:
                 # The policy cannot plan for this budget (the budget itself is above the
                 # minimum working set: checked above). Training goes on with the reactive

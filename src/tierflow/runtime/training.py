@@ -88,11 +88,17 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
 }
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t`` (a kept gradient would otherwise take device memory the run
+    under test must count as used by someone else)."""
+    return t.clone() if t.device.type == "cpu" else t.to("cpu")
+
+
 def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=contextlib.nullcontext,
                after_step: Callable[[int, float], None] | None = None):
     """The user's loop, exactly as written without tierflow. Returns losses and, when
-    asked, every step's gradients (cloned before the step, inside ``aside()``: under
-    tierflow the run's ``untracked`` block, where GPU code would copy to the host).
+    asked, every step's gradients (copied to the host before the step, inside
+    ``aside()``: under tierflow the run's ``untracked`` block).
     ``after_step(steps done, its seconds)`` is called after each step (progress)."""
     x, y = batch
     losses, grads, times = [], [], []
@@ -102,8 +108,8 @@ def _run_steps(model, opt, batch, loss_fn, steps: int, keep_grads: bool, aside=c
         loss.backward()
         with aside():
             if keep_grads:  # (a DTensor's: this rank's shard)
-                grads.append([None if p.grad is None else _plain(p.grad).clone() for p in model.parameters()])
-            losses.append(loss.detach().clone())
+                grads.append([None if p.grad is None else _to_host(_plain(p.grad)) for p in model.parameters()])
+            losses.append(_to_host(loss.detach()))
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
