@@ -85,6 +85,7 @@ from .storages import (
     _new_result_bytes,
     _op_kind,
     _op_name,
+    _plain,
     _storage_bytes,
     _unwrap,
     _write_spots,
@@ -117,6 +118,18 @@ def _budget_spec(budget: str | int | float | None) -> tuple[float | None, float 
 
 _PLAIN_TYPES: dict[tuple, bool] = {}
 _NO_OUTS: list = []  # (a view op's new storages: none; never appended to)
+
+
+_DETACH = torch.ops.aten.detach.default
+
+
+def _storage_id(t: Any, types: tuple) -> int | None:
+    """The storage id of ``t`` (the plain tensor inside a subclass), None if no tensor."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    if types and type(t) not in _PLAIN:
+        t = _plain(t)
+    return t.untyped_storage()._cdata
 
 
 def _plain_types(types: tuple) -> bool:
@@ -240,6 +253,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._leaving_bytes = 0
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
+        self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
+        self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
+        self._hookless_trace = False  # the trace leaves out the ops those hooks cause
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
@@ -307,6 +323,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         errors: list[str] = []
         try:
             self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
+            self._hooks_on()
             self._saved.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
             for h in self._hooks:
@@ -377,6 +394,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # the lean per-op path (a planned plan, or a reactive one's hints), until the
         # iteration departs from the trace
         self._fast = self._planned or self._hinted
+        if self._fast:
+            self._hooks_off_for_iteration()
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -386,6 +405,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._iters_begun += 1
         self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
         self._op_events: list[tuple[Any, Any]] = []  # CUDA: (start, end) per recorded op
+        self._hook_ops: list[int] = []  # recorded ops our saved-tensor hooks caused (see _unpack)
         self._sigs: list[tuple] = []
         if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
             self._facts_begin()
@@ -405,6 +425,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def end_iteration(self) -> None:
         """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
         call it yourself only when training without an optimizer."""
+        self._hooks_on()
         self._host_finish()  # [host steps] every host update done, parameters back
         if not self._in_iter:
             return
@@ -499,6 +520,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # profiling: every op the model dispatches is asked its scope (that is what ties
         # the autograd nodes it makes to its module, for backward's scopes)
         scope = self._scopes.scope() if self._scopes is not None else None
+        unpacked, self._unpacked = self._unpacked, None  # (see _unpack, _build_trace)
         if self._dead or self._frees or self._writes or self._inflight:
             self._reap()
         if self._pending:
@@ -525,6 +547,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         in_iter = self._in_iter
         i = self._op if in_iter else -1
         following = in_iter and self._follows()
+        if following and func is _DETACH and self._hooks_off and (i >= self._n_ops or self._funcs[i] is not func):
+            return func(*args, **kwargs)  # (autograd's, without our hooks: see _follow_op)
         if following and (i >= self._n_ops or self._funcs[i] is not func):
             self._mark_stale(f"op {i}: ran {name}, the trace has "
                              + (self.trace.ops[i].name if i < self._n_ops else "the end of the iteration"))
@@ -594,6 +618,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                         self._untracked_seen = seen
                 self._note_facts(scope, func, args, kwargs)
                 self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
+                if unpacked is not None and func is _DETACH and _storage_id(args[0], types) == unpacked:
+                    self._hook_ops.append(len(self._rec) - 1)  # autograd's, after our unpack hook
         self._note_peak()
         if in_iter:
             if following and not self._stale:
@@ -651,6 +677,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         moves after it come from a per-op table."""
         i = self._op
         if i >= self._n_ops or self._fast_funcs[i] is not func:
+            if func is _DETACH and self._hooks_off:
+                # NOTE: without saved-tensor hooks autograd detaches some tensors it
+                # saves (the profile's pack hook did that below the mode): metadata
+                # over a storage, not in the trace, harmless to run as it is
+                return func(*args, **kwargs)
             return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
         if self._trivial[i]:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
             out = func(*args, **kwargs)

@@ -145,6 +145,7 @@ class PlanFollowing:
     def _mark_stale(self, why: str) -> None:
         self._stale = True
         self._fast = False
+        self._hooks_on()  # (the general path labels what is saved from here on)
         self.stats.stale_plans += 1
         if len(self.stats.stale_reasons) < 5:
             self.stats.stale_reasons.append(why)

@@ -162,6 +162,7 @@ class Profiling:
             )
 
     def _build_trace(self) -> Trace:
+        self._drop_hook_ops()
         tensors = []
         for i, e in enumerate(self._iter_entries):
             kind = e.kind
@@ -185,6 +186,25 @@ class Profiling:
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": "measured"})
         self._trace_sigs_next = list(self._sigs)
         return trace
+
+    def _drop_hook_ops(self) -> None:
+        """Leave out of the profiled iteration the ops our saved-tensor hooks caused
+        (autograd's ``detach`` of what the unpack hook returned): the iterations that
+        follow the plan run without the hooks (``_hooks_off_for_iteration``), so they
+        do not have them."""
+        drop = set(self._hook_ops)
+        self._hook_ops = []
+        self._hookless_trace = True
+        if not drop:
+            return
+        keep = [j for j in range(len(self._rec)) if j not in drop]
+        self._rec = [self._rec[j] for j in keep]
+        self._sigs = [self._sigs[j] for j in keep]
+        if len(self._op_events) == len(keep) + len(drop):
+            self._op_events = [self._op_events[j] for j in keep]
+        facts = getattr(self, "_facts", None)
+        if facts is not None:
+            self._facts = {new: facts[old] for new, old in enumerate(keep) if old in facts}
 
     def _agree_trace(self, trace: Trace) -> Trace:
         """The trace every rank plans from: the same ops and tensors on every rank (else

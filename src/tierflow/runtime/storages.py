@@ -351,6 +351,8 @@ class StorageTracking:
         if self._fast:  # following a plan, the op that reads it fetches it if it is away
             return t
         p = _plain(t) if type(t) not in _PLAIN else t
+        if self._recording:  # autograd may detach what we return: that op is ours, not the model's
+            self._unpacked = p.untyped_storage()._cdata
         e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
             q, self._quiet = self._quiet, True
@@ -361,6 +363,31 @@ class StorageTracking:
             finally:
                 self._quiet = q
         return t
+
+    def _hooks_off_for_iteration(self) -> None:
+        """A followed iteration runs without our saved-tensor hooks when the trace left
+        out the ops they cause. NOTE: in such an iteration the hooks do nothing (the
+        follower labels what the plan needs by binding) but cost a Python call per saved
+        tensor and, per unpack, an autograd ``detach`` through the dispatch mode (39 of
+        gpt-tiny's 546 dispatched ops). Taken off only when they are the only hooks on
+        the stack: hooks a user pushed before the block would otherwise take over."""
+        if self._hooks_off or not self._hookless_trace:
+            return
+        hooks = torch._C._autograd
+        if hooks._top_saved_tensors_default_hooks(False) != (self._pack, self._unpack):
+            return
+        hooks._pop_saved_tensors_default_hooks()
+        if hooks._top_saved_tensors_default_hooks(False) is not None:
+            hooks._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            return
+        self._hooks_off = True
+
+    def _hooks_on(self) -> None:
+        """Our saved-tensor hooks back on the stack (end of a followed iteration, a
+        departure from the trace, the end of the run)."""
+        if self._hooks_off:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self._hooks_off = False
 
     def _retire(self, e: _Entry) -> None:
         """Forget a storage that died (its device bytes, or its slots while away)."""
