@@ -124,13 +124,22 @@ _DETACH = torch.ops.aten.detach.default
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
 
 
-def _storage_id(t: Any, types: tuple) -> int | None:
+def _storage_id_of(t: Any, types: tuple) -> int | None:
     """The storage id of ``t`` (the plain tensor inside a subclass), None if no tensor."""
     if not isinstance(t, torch.Tensor):
         return None
     if types and type(t) not in _PLAIN:
         t = _plain(t)
+    return _storage_id(t)
+
+
+def _storage_id_slow(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+# ``t.untyped_storage()._cdata`` without making the storage's Python object (about half
+# the cost; the same number: the StorageImpl's address)
+_storage_id = getattr(torch._C, "_storage_id", None) or _storage_id_slow
 
 
 def _plain_types(types: tuple) -> bool:
@@ -649,7 +658,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                         self._untracked_seen = seen
                 self._note_facts(scope, func, args, kwargs)
                 self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
-                if unpacked is not None and func is _DETACH and _storage_id(args[0], types) == unpacked:
+                if unpacked is not None and func is _DETACH and _storage_id_of(args[0], types) == unpacked:
                     self._hook_ops.append(len(self._rec) - 1)  # autograd's, after our unpack hook
         self._note_peak()
         if in_iter:
@@ -707,16 +716,19 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         names them (by their position in the op, from the profiled iteration), and the
         moves after it come from a per-op table."""
         i = self._op
-        if i >= self._n_ops or self._fast_funcs[i] is not func:
+        row = self._optab[i] if i < self._n_ops else None
+        if row is None or row[0] is not func:
             if func is _DETACH and self._hooks_off:
                 # NOTE: without saved-tensor hooks autograd detaches some tensors it
                 # saves (the profile's pack hook did that below the mode): metadata
                 # over a storage, not in the trace, harmless to run as it is
                 return func(*args, **kwargs)
             return self._handle(func, args, kwargs)  # a departure, or a collective: the general path
-        if self._trivial[i]:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
+        # (one row of per-op facts, see _make_plan: one lookup instead of a dozen)
+        _f, trivial, next_op, flat, binds, levers, born, views_only, sizes, spots, bind_out, moves = row
+        if trivial:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
             out = func(*args, **kwargs)
-            self._op = self._next_op[i]  # (i + 1, past ops the host runs)
+            self._op = next_op  # (i + 1, past ops the host runs)
             return out
         entries, dev, entry = self._entries, self._dev_attr, self._entry
         dead = self._dead
@@ -736,11 +748,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         fix = False  # an input is away, arriving, or pinned by a collective
         # (flat: the schema has no tensor lists and no keyword-only tensors, so the
         # tensors are plain positional arguments)
-        for t in args if self._flat_args[i] else _leaves(args) + _leaves(list(kwargs.values())):
+        for t in args if flat else _leaves(args) + _leaves(list(kwargs.values())):
             if not isinstance(t, Tensor) or getattr(t, dev) is not True:  # (is_cpu / is_cuda)
                 continue
             try:
-                e = entries.get(t.untyped_storage()._cdata)
+                e = entries.get(_storage_id(t))
             except (RuntimeError, NotImplementedError):  # no storage
                 continue
             if e is None:
@@ -751,14 +763,13 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 fix = True
             elif e.arrival is not None or e.pins:
                 fix = True
-        binds = self._bind_in[i]
         if binds is not None and not self._bind(i, binds, ins):
             return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
-        levers = self._levers_at[i]  # (this op re-makes, records for, or drops a chain)
+        # (levers: this op re-makes, records for, or drops a chain)
         if levers and self._remakes[i]:  # recompute chains due before this op
             self._remake_before(i)
             fix = True  # (a chain's replay may have moved an input)
-        need = away + self._born[i]
+        need = away + born
         if self._device_bytes + need > self.budget:
             self._make_room(need, ins)
         if fix:
@@ -770,11 +781,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         out = func(*args, **kwargs)
-        if self._views_only[i]:  # (views of the arguments: no new storage, nothing to check)
+        if views_only:  # (views of the arguments: no new storage, nothing to check)
             outs = _NO_OUTS
         else:
             outs = []
-            sizes = self._out_sizes[i]
             same = True  # the results have the trace's sizes so far
             for t in (out,) if out.__class__ is Tensor else _leaves(out):
                 if getattr(t, dev) is not True:
@@ -792,12 +802,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 if same and (k >= len(sizes) or (sizes[k] != e.nbytes and not e.foreign)):
                     same = False
                 outs.append(e)
-            spots = self._write_spots[i]
             if spots:  # (most ops write no argument; in place ones write one, ``self``)
                 k0 = len(outs)
                 v = args[spots[0][0]] if len(spots) == 1 and spots[0][0] < len(args) else None
                 if (v.__class__ is Tensor or v.__class__ is Parameter) and getattr(v, dev) is True:
-                    e = entries.get(v.untyped_storage()._cdata)
+                    e = entries.get(_storage_id(v))
                     if e is None or e.ref() is None:
                         e = entry(v, self._op_labels[i])
                     outs.append(e)
@@ -812,8 +821,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                         same = False
             if not same or len(outs) != len(sizes):
                 self._check_outs(i, outs)  # (a departure: it says how)
-            elif self._bind_out[i] is not None:
-                self._bind(i, self._bind_out[i], outs)
+            elif bind_out is not None:
+                self._bind(i, bind_out, outs)
         if levers and not self._stale:
             if chains:
                 self._record(i, func, args, kwargs, out, states)
@@ -827,9 +836,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     lru.move_to_end(e.cdata)
         if self._device_bytes > self._iter_peak:
             self._note_peak()
-        if self._has_moves[i] and not self._stale:
+        if moves and not self._stale:
             self._fire(i, hints=self._hinted)
-        self._op = self._next_op[i]  # [host steps] (i + 1, past ops the host runs)
+        self._op = next_op  # [host steps] (i + 1, past ops the host runs)
         return out
 
     def _account_written(self, written: list[torch.Tensor], outs: list[_Entry], label: str) -> int:

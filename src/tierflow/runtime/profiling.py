@@ -417,4 +417,8 @@ class Profiling:
         self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None
                          and not self._levers_at[i] and not self._has_moves[i] and not born[i]
                          for i, f in enumerate(self._fast_funcs)]
+        # the lean path's per-op row (executor._follow_op), in its order
+        self._optab = list(zip(self._fast_funcs, self._trivial, self._next_op, self._flat_args, self._bind_in,
+                               self._levers_at, born, self._views_only, self._out_sizes, self._write_spots,
+                               self._bind_out, self._has_moves))
         return True
