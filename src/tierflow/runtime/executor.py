@@ -162,7 +162,7 @@ def _dispatch(self, func, types, args=(), kwargs=None):
         # trace, plain tensors) takes the lean path. It needs no _quiet: while a
         # __torch_dispatch__ runs, torch has popped the mode, so the copies and resizes
         # it makes never come back here.
-        if run._fast and not run._untracked and (not types or _plain_types(types)):
+        if run._fast and not run._untracked and (not types or _PLAIN_TYPES.get(types) or _plain_types(types)):
             return run._follow_op(func, args, kwargs or {})
         run._quiet = True
         try:
