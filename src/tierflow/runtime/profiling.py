@@ -325,8 +325,13 @@ class Profiling:
                 return False
         need, op = min_working_set(trace)
         if need > self.budget:
+            reserve = self.stats.untracked_device_bytes
+            left = (f"budget {fmt_bytes(self.stats.budget_bytes)} ({int(self.stats.budget_bytes)} bytes), less "
+                    f"{fmt_bytes(reserve)} of device memory in use outside tierflow's tensors (cuBLAS's "
+                    f"workspaces, the allocator's rounding), leaves {fmt_bytes(self.budget)}, which"
+                    if reserve else f"budget {fmt_bytes(self.budget)} ({int(self.budget)} bytes)")
             raise BudgetError(
-                f"budget {fmt_bytes(self.budget)} ({int(self.budget)} bytes) is below the minimum working set: "
+                f"{left} is below the minimum working set: "
                 f"op {op} ({trace.ops[op].name}) alone needs {fmt_bytes(need)} ({need} bytes)"
             )
         budget = self.budget if math.isfinite(self.budget) else None
