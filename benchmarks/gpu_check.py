@@ -314,8 +314,19 @@ def tierflow_row(name: str, batch: int, seq: int | None, share: float | None, re
                moved_bytes=int(sum(st.moved_bytes.values())), stalls=st.stalls,
                untracked_device_bytes=st.untracked_device_bytes, link_bytes_per_s=dict(st.link_bytes_per_s),
                blocking_waits=dict(st.blocking_waits), unplanned_evictions=st.unplanned_evictions,
-               host_stepped_params=st.host_stepped_params, recomputed_ops=st.recomputed_ops)
+               host_stepped_params=st.host_stepped_params, recomputed_ops=st.recomputed_ops,
+               **_plan_shape(run))
     return row
+
+
+def _plan_shape(run: Any) -> dict[str, Any]:
+    """What the plan is (reactive hints or planned moves) and what the simulator expected
+    of it, next to what the run did (``stalls``: on-demand fetches, measured)."""
+    plan, sim = run.plan, run.prediction
+    return {"plan_reactive": bool(plan is not None and plan.reactive),
+            "plan_moves": len(plan.moves) if plan is not None else 0,
+            "predicted_faults": getattr(sim, "faults", None), "predicted_stall_s": getattr(sim, "stall_s", None),
+            "stall_s": run.stats.stall_s}
 
 
 # -- output -----------------------------------------------------------------------------
