@@ -327,6 +327,21 @@ def test_cli_train_json(capsys, tmp_path):
     assert set(data["moved_bytes"]) >= {"host", "ssd"}
 
 
+@pytest.mark.parametrize("flag, stepped", [("auto", True), ("no", False)])
+def test_cli_train_host_steps_flag(capsys, flag, stepped):
+    """``--host-steps no`` refuses host updates even to ZeRO-Offload (which then falls
+    back to the reactive pager, saying why); ``auto`` on CPU allows them."""
+    from tierflow.cli import main
+
+    rc = main(["train", "--model", "gpt-tiny", "--budget", "95%", "--steps", "4", "--policy", "zero_offload",
+               "--set", "reduce_bucket_size=20000", "--host-steps", flag, "--check-parity", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and data["parity"] is True
+    assert (data["stats"]["host_steps"] > 0) is stepped
+    if not stepped:
+        assert "fallback" in data["policy"] and data["stats"]["plan_error"]
+
+
 def test_cli_train_budget_too_small_is_one_line_error(capsys):
     from tierflow.cli import main
 

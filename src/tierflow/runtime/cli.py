@@ -51,10 +51,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "-m tierflow.cli train ...')")
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp",
                    help="with --nproc or torchrun: DistributedDataParallel, or FSDP2 (fully_shard per block)")
+    p.add_argument("--host-steps", choices=("auto", "yes", "no"), default="auto",
+                   help="may the plan run optimizer updates on the host? auto (default): on CPU yes, on CUDA "
+                   "only for policies built on them (the host's kernels can round differently from the GPU's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--report", default=None, metavar="HTML",
                    help="also write the HTML report of the followed plan, measured beside predicted")
     p.set_defaults(func=_train)
+
+
+_HOST_STEPS = {"auto": None, "yes": True, "no": False}
 
 
 def _under_torchrun() -> bool:
@@ -64,7 +70,8 @@ def _under_torchrun() -> bool:
 def _child_argv(args: argparse.Namespace) -> list[str]:
     """The ``tierflow train`` command line of one rank: these arguments less ``--nproc``."""
     argv = ["train", "--model", args.model, "--steps", str(args.steps), "--device", args.device,
-            "--policy", args.policy, "--optimizer", args.optimizer, "--strategy", args.strategy]
+            "--policy", args.policy, "--optimizer", args.optimizer, "--strategy", args.strategy,
+            "--host-steps", args.host_steps]
     for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--budget", args.budget),
                     ("--ssd-dir", args.ssd_dir), ("--report", args.report)):
         if v is not None:
@@ -112,7 +119,7 @@ def _train(args: argparse.Namespace) -> int:
     with u.progress(f"training {args.model}", total, enabled=not args.json) as update:
         res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=args.device,
                     policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
-                    optimizer=args.optimizer, policy_options=policy_options,
+                    optimizer=args.optimizer, policy_options=policy_options, host_steps=_HOST_STEPS[args.host_steps],
                     progress=_step_bar(lambda done, description: update(
                         done - (0 if args.check_parity else args.steps), description=description)))
     if args.report:
@@ -226,7 +233,8 @@ def _train_rank(args: argparse.Namespace, policy_options: dict) -> int:
     try:
         res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=device,
                     policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
-                    optimizer=args.optimizer, strategy=args.strategy, policy_options=policy_options)
+                    optimizer=args.optimizer, strategy=args.strategy, policy_options=policy_options,
+                    host_steps=_HOST_STEPS[args.host_steps])
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, res.to_dict())
         if args.report and dist.get_rank() == 0:

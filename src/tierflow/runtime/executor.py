@@ -968,8 +968,9 @@ def offload(
             bits (and later steps' losses with them). ``None`` (default): on CPU yes
             (the same kernels: bitwise equal); on CUDA only for a policy whose method is
             host updates (``zero_offload``, ``zero_infinity``), not for ``tierflow``'s
-            own choice. ``True``: tierflow may choose them on CUDA too. ``False``: no
-            policy gets them.
+            own choice. ``True``: tierflow may choose them on CUDA too. ``False``: none;
+            a policy that plans them anyway (the ZeRO peers) falls back to the reactive
+            pager, and ``stats.plan_error`` says why. CLI: ``tierflow train --host-steps``.
 
     Returns:
         A :class:`Run`; use it as a context manager.

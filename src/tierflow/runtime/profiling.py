@@ -272,10 +272,12 @@ class Profiling:
         default, tierflow's planner does not choose them, since the host's optimizer
         kernels can round differently from the GPU's and the user expects parameters
         equal to plain PyTorch's."""
-        allowed = self._host_steps
-        if allowed is None:
-            allowed = not self._cuda or policy != "tierflow"
-        return hw if allowed or hw.host_compute is None else replace(hw, host_compute=None)
+        return hw if self._host_steps_allowed(policy) or hw.host_compute is None else replace(hw, host_compute=None)
+
+    def _host_steps_allowed(self, policy: str) -> bool:
+        if self._host_steps is not None:
+            return self._host_steps
+        return not self._cuda or policy != "tierflow"
 
     def _measured_links(self, hw: Hardware) -> Hardware:
         """The preset's device<->host links (and the buses they cross) at the copy rates
@@ -351,6 +353,10 @@ class Profiling:
                 options["levers"] = "move"
             try:
                 plan = make_plan(name, trace, self._plan_hardware(hw, name), budget=budget, **options)
+                if plan.host_steps and not self._host_steps_allowed(name):
+                    # (a policy whose method is host steps plans them whatever the machine)
+                    raise PlanError(f"{name} planned {len(plan.host_steps)} host optimizer steps, which "
+                                    "offload(host_steps=False) refuses")
             except PlanError as e:
                 # The policy cannot plan for this budget (the budget itself is above the
                 # minimum working set: checked above). Training goes on with the reactive
