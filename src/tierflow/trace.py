@@ -201,6 +201,37 @@ class Trace:
         """Per op, the tensors it touches (inputs then outputs, deduplicated)."""
         return tuple(o.tensors for o in self.ops)
 
+    def op_groups(self, ops: Iterable[int], links: Iterable[tuple[int, int]] = ()) -> list[list[int]]:
+        """``ops`` in groups connected by the tensors they share, and by ``links`` (pairs
+        of ops in ``ops`` that belong together for another reason): each group sorted,
+        the groups in order of their first op. The optimizer's units of work are such
+        groups (a ``foreach`` step shares one op between all its parameters)."""
+        from scipy.sparse import coo_matrix
+        from scipy.sparse.csgraph import connected_components
+
+        ops = sorted(set(ops))
+        if not ops:
+            return []
+        index = {op: k for k, op in enumerate(ops)}
+        first: dict[int, int] = {}
+        rows, cols = [], []
+        for op in ops:
+            for t in self.op_tensors[op]:
+                j = first.setdefault(t, op)
+                if j != op:
+                    rows.append(index[j])
+                    cols.append(index[op])
+        for a, b in links:
+            rows.append(index[a])
+            cols.append(index[b])
+        n = len(ops)
+        graph = coo_matrix((np.ones(len(rows)), (rows, cols)), shape=(n, n))
+        _, label = connected_components(graph, directed=False)
+        groups: dict[int, list[int]] = {}
+        for op, g in zip(ops, label.tolist()):
+            groups.setdefault(g, []).append(op)
+        return sorted(groups.values(), key=lambda g: g[0])
+
     # -- uses, birth, death ------------------------------------------------------------
     @cached_property
     def _use_csr(self) -> tuple[np.ndarray, np.ndarray]:

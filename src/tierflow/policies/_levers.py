@@ -196,30 +196,9 @@ def host_step_options(trace: Trace, hw: Hardware) -> list[HostStepOption]:
         return []
     ops = trace.ops
     opt = [i for i, o in enumerate(ops) if o.phase == "optimizer" and o.tensors]
-    parent = {i: i for i in opt}
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    first: dict[int, int] = {}
-    for i in opt:
-        for t in ops[i].tensors:
-            if t in first:
-                a, c = find(first[t]), find(i)
-                if a != c:
-                    parent[max(a, c)] = min(a, c)
-            else:
-                first[t] = i
-    units: dict[int, list[int]] = {}
-    for i in opt:
-        units.setdefault(find(i), []).append(i)
     tensors = trace.tensors
     out = []
-    for root in sorted(units):
-        unit = units[root]
+    for unit in trace.op_groups(opt):
         ts = sorted({t for i in unit for t in ops[i].tensors})
         params = [t for t in ts if tensors[t].kind == "parameter" and any(t in ops[i].outputs for i in unit)]
         grads = [t for t in ts if tensors[t].kind == "gradient"]

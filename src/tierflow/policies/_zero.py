@@ -64,37 +64,19 @@ class ParamUpdate:
 
 def _groups(trace: Trace, opt_ops: list[int]) -> list[list[int]]:
     """Optimizer ops in connected groups (sharing a tensor), each sorted, in op order."""
-    parent = {i: i for i in opt_ops}
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    first_op_of: dict[int, int] = {}
-    for i in opt_ops:
-        for t in trace.op_tensors[i]:
-            j = first_op_of.setdefault(t, i)
-            a, b = find(i), find(j)
-            if a != b:
-                parent[max(a, b)] = min(a, b)
     # an op that touches no tensor (the step counter Adam keeps on the CPU, a
     # ``_local_scalar_dense``) belongs to the update it sits in: the next op's group
     with_tensors = [i for i in opt_ops if trace.op_tensors[i]]
     if not with_tensors:
         return []
-    following: dict[int, int | None] = {}
+    links = []
     nxt: int | None = None
     for i in reversed(opt_ops):
         if trace.op_tensors[i]:
             nxt = i
-        following[i] = nxt
-    out: dict[int, list[int]] = {}
-    for i in opt_ops:
-        anchor = i if trace.op_tensors[i] else (following[i] if following[i] is not None else with_tensors[-1])
-        out.setdefault(find(anchor), []).append(i)
-    return sorted(out.values(), key=lambda g: g[0])
+        else:
+            links.append((i, nxt if nxt is not None else with_tensors[-1]))
+    return trace.op_groups(opt_ops, links)
 
 
 def _name_of_key(key: str | None, prefix: str) -> str | None:

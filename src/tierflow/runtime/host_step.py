@@ -238,36 +238,15 @@ def update_groups(trace: Trace) -> list[tuple[list[int], set[str]]]:
     the whole of their update, counter included, as the optimizer's step does it."""
     ops = trace.ops
     opt = [i for i, o in enumerate(ops) if o.phase == "optimizer"]
-    parent = {i: i for i in opt}
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    def union(a: int, b: int) -> None:
-        a, b = find(a), find(b)
-        if a != b:
-            parent[max(a, b)] = min(a, b)
-
-    first: dict[int, int] = {}
-    for i in opt:
-        for t in trace.op_tensors[i]:
-            if t in first:
-                union(first[t], i)
-            else:
-                first[t] = i
+    links: list[tuple[int, int]] = []
     nxt = None
     for i in reversed(opt):
         if len(trace.op_tensors[i]):
             nxt = i
         elif nxt is not None and not ops[i].name.startswith("profiler::"):
-            union(i, nxt)  # (a profiler range, as a subclass's super().step() opens, is no update's)
+            links.append((i, nxt))  # (a profiler range, as a subclass's super().step() opens, is no update's)
     tensors = trace.tensors
-    units: dict[int, list[int]] = {}
-    for i in opt:
-        units.setdefault(find(i), []).append(i)
+    units = {unit[0]: unit for unit in trace.op_groups(opt, links)}
     named: dict[int, set[str]] = {}
     for root, unit in units.items():
         names = set()
@@ -285,21 +264,18 @@ def update_groups(trace: Trace) -> list[tuple[list[int], set[str]]]:
                 key = tensors[t].key or ""
                 if key.startswith(("param:", "grad:")):
                     owner.setdefault(_key_name(key), root)
-    for root in sorted(units):
-        unit = units[root]
+    joined = False
+    for root, unit in units.items():
         keys = [tensors[t].key or "" for i in unit for t in trace.op_tensors[i]]
         if keys and all(k.startswith("opt:") for k in keys if k) and not any(
                 k.startswith(("param:", "grad:")) for k in keys):
             homes = {owner.get(n) for n in named[root]}
             if len(homes) == 1 and None not in homes:
-                union(root, homes.pop())
-    out: dict[int, tuple[list[int], set[str]]] = {}
-    for root, unit in units.items():
-        r = find(root)
-        ops_, names = out.setdefault(r, ([], set()))
-        ops_ += unit
-        names |= named[root]
-    return [(sorted(u), n) for _, (u, n) in sorted(out.items())]
+                links.append((root, homes.pop()))
+                joined = True
+    groups = trace.op_groups(opt, links) if joined else list(units.values())
+    root_of = {i: root for root, unit in units.items() for i in unit}
+    return [(g, set().union(*(named[r] for r in {root_of[i] for i in g}))) for g in groups]
 
 
 class HostSteps:
