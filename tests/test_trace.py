@@ -147,3 +147,19 @@ def test_constructed_op_with_bad_recompute_field_is_rejected():
         Trace([Op("x", "forward", 1.0, (0,), scope=1)], ts)
     with pytest.raises(TraceError, match=r"op 0 \(x\): field 'rng' must be a bool"):
         Trace([Op("x", "forward", 1.0, (0,), rng=1)], ts)
+
+
+def test_op_groups_by_shared_tensors_and_links():
+    """Ops that share a tensor are one group, and so are linked ones; an op linked to
+    nothing and sharing nothing stays alone; groups come sorted, in order of first op."""
+    ts = [TensorInfo(i, 8, "optimizer_state") for i in range(5)]
+    ops = [Op("a", "optimizer", 1.0, (0,), (1,)),   # 0: tensors 0, 1
+           Op("b", "optimizer", 1.0, (2,)),         # 1: tensor 2
+           Op("c", "optimizer", 1.0, (1,), (3,)),   # 2: shares 1 with op 0
+           Op("d", "optimizer", 1.0, ()),           # 3: no tensor
+           Op("e", "optimizer", 1.0, (4,))]         # 4: tensor 4
+    tr = Trace(ops, ts)
+    assert tr.op_groups(range(5)) == [[0, 2], [1], [3], [4]]
+    assert tr.op_groups(range(5), [(3, 4)]) == [[0, 2], [1], [3, 4]]
+    assert tr.op_groups([4, 2, 0]) == [[0, 2], [4]]
+    assert tr.op_groups([]) == []
