@@ -87,6 +87,7 @@ from .storages import (
     _op_name,
     _plain,
     _storage_bytes,
+    _storage_id,
     _unwrap,
     _write_spots,
     _written_args,
@@ -131,15 +132,6 @@ def _storage_id_of(t: Any, types: tuple) -> int | None:
     if types and type(t) not in _PLAIN:
         t = _plain(t)
     return _storage_id(t)
-
-
-def _storage_id_slow(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-# ``t.untyped_storage()._cdata`` without making the storage's Python object (about half
-# the cost; the same number: the StorageImpl's address)
-_storage_id = getattr(torch._C, "_storage_id", None) or _storage_id_slow
 
 
 def _plain_types(types: tuple) -> bool:
@@ -295,7 +287,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
         self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
-        self._hookless_trace = False  # the trace leaves out the ops those hooks cause
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"

@@ -90,15 +90,15 @@ class Moves:
         order: one stream). With ``need``: block on the oldest until ``need`` more bytes
         fit the budget (each such wait is counted); ``every``: on all of them."""
         lv = self._leaving
-        while lv and lv[0][0].query():
-            n = lv.popleft()[1]
-            self._device_bytes -= n
-            self._leaving_bytes -= n
-        while lv and (every or (need is not None and self._device_bytes + need > self.budget)):
-            if not every:
-                self._copier.count_wait("eviction in flight")
-            ev, n = lv.popleft()
-            ev.synchronize()
+        while lv:
+            ev, n = lv[0]
+            if not ev.query():
+                if not (every or (need is not None and self._device_bytes + need > self.budget)):
+                    break
+                if not every:
+                    self._copier.count_wait("eviction in flight")
+                ev.synchronize()
+            lv.popleft()
             self._device_bytes -= n
             self._leaving_bytes -= n
 

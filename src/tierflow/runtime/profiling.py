@@ -65,7 +65,6 @@ def _measure_cuda_links(device: torch.device, nbytes: int = 32 << 20, rounds: in
             t1.synchronize()
             rates.append(rounds * nbytes / max(t0.elapsed_time(t1) / 1e3, 1e-9))
     side.synchronize()
-    del host, dev
     return rates[0], rates[1]
 
 
@@ -194,7 +193,6 @@ class Profiling:
         do not have them."""
         drop = set(self._hook_ops)
         self._hook_ops = []
-        self._hookless_trace = True
         if not drop:
             return
         keep = [j for j in range(len(self._rec)) if j not in drop]

@@ -70,6 +70,15 @@ _COMM_NS = ("c10d::", "_c10d_functional::", "c10d_functional::")
 _MANAGED_NS = ("fsdp::",)  # FSDP2's copy-in/copy-out ops: what they write, FSDP resizes
 
 
+def _storage_id_slow(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+# ``t.untyped_storage()._cdata`` without making the storage's Python object (about half
+# the cost; the same number: the StorageImpl's address)
+_storage_id = getattr(torch._C, "_storage_id", None) or _storage_id_slow
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor that holds ``t``'s bytes: ``t`` itself, or for a wrapper subclass
     with one inner tensor (a DTensor: its local shard) that tensor."""
@@ -352,7 +361,7 @@ class StorageTracking:
             return t
         p = _plain(t) if type(t) not in _PLAIN else t
         if self._recording:  # autograd may detach what we return: that op is ours, not the model's
-            self._unpacked = p.untyped_storage()._cdata
+            self._unpacked = _storage_id(p)
         e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
             q, self._quiet = self._quiet, True
@@ -365,13 +374,13 @@ class StorageTracking:
         return t
 
     def _hooks_off_for_iteration(self) -> None:
-        """A followed iteration runs without our saved-tensor hooks when the trace left
-        out the ops they cause. NOTE: in such an iteration the hooks do nothing (the
-        follower labels what the plan needs by binding) but cost a Python call per saved
-        tensor and, per unpack, an autograd ``detach`` through the dispatch mode (39 of
-        gpt-tiny's 546 dispatched ops). Taken off only when they are the only hooks on
+        """A followed iteration runs without our saved-tensor hooks (the trace left out
+        the ops they cause: ``Profiling._drop_hook_ops``). NOTE: in such an iteration the
+        hooks do nothing (the follower labels what the plan needs by binding) but cost a
+        Python call per saved tensor and, per unpack, an autograd ``detach`` through the
+        dispatch mode (45 of the 543 ops of gpt-tiny's profiled step). Taken off only when they are the only hooks on
         the stack: hooks a user pushed before the block would otherwise take over."""
-        if self._hooks_off or not self._hookless_trace:
+        if self._hooks_off:
             return
         hooks = torch._C._autograd
         if hooks._top_saved_tensors_default_hooks(False) != (self._pack, self._unpack):

@@ -10,10 +10,11 @@ when it must reuse the memory the copy reads (a full pool) or at the end of the 
 Why one side stream per direction: PCIe is full duplex and the GPU has a copy engine
 for each way, so evictions (device to host) and prefetches (host to device) run at the
 same time, as the simulator's hardware model has them (one link, one bus per
-direction). On one stream a prefetch queued behind an eviction waited for it, and a
-step that moves as much in as out took twice its transfer time (measured on an H200,
-see BENCHMARKS.md). The price is ordering: a copy back of a tensor must wait for its
-copy out, which the caller says with ``after``.
+direction). On one stream a prefetch queued behind an eviction waited for it, so a
+step moving as much in as out could take up to twice its transfer time. (The H200 runs
+in BENCHMARKS.md changed this with other things at once: it was not measured alone.)
+The price is ordering: a copy back of a tensor must wait for its copy out, which the
+caller says with ``after``.
 """
 
 from __future__ import annotations
