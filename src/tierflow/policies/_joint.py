@@ -255,6 +255,8 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         # the peers' plans (checkpointing, ZeRO-Offload, ...) are seeds too, repaired by
         # the same loop where one leads: tierflow is never behind a peer by construction
         for name, p_plan, p_score in _peer_seeds(trace, hw, options):
+            if p_plan.reactive and not opts.get("reactive", True):
+                continue  # (see plan_moves: the runtime asks for planned plans)
             peer_scores[name] = p_score
             if gains(p_score, score):
                 plan, score, seed = p_plan, p_score, name

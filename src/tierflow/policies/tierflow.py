@@ -467,6 +467,8 @@ OPTIONS = (
     PolicyOption("repair_rounds", int, 48, "at most this many repair simulations"),
     PolicyOption("work_ops", int, _WORK_OPS, "the loop's work budget in simulated trace ops"),
     PolicyOption("portfolio", bool, True, "seed from the other planners too (false: own pass and repairs only)"),
+    PolicyOption("reactive", bool, True, "a reactive plan (g10's hints to the on-demand pager) may win; false: "
+                 "only when no planned seed fits (the runtime follows planned plans move by move)"),
 )
 
 # g10's variants are tried only while each g10 seed so far is within this factor of the
@@ -600,6 +602,12 @@ def plan_moves(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan
     options.report(0.0, "seeding")
     reply = None
     cpu: dict[str, float] = {}  # CPU seconds per seed, planning and its simulation
+    # NOTE: with reactive=False (what the runtime asks for) a reactive seed competes only
+    # where no planned one fits: the runtime's pager is not the simulator's, so a plan of
+    # hints that the simulator scores ahead ran with hundreds of on-demand fetches a step
+    # it did not predict (gpt-tiny at 30%: 126 a step, 0 predicted), where a planned
+    # plan's moves are issued as simulated
+    held_back: list[tuple] = []
     while True:
         c1 = time.process_time()
         try:
@@ -618,12 +626,17 @@ def plan_moves(trace: Trace, hardware: Hardware, options: PolicyOptions) -> Plan
             validate(plan, trace, hardware)
         score, res = simulate_score(trace, hardware, plan)
         tick(f"seed {name.split('{')[0]}")
+        if plan.reactive and not opts.get("reactive", True):
+            held_back.append((score, len(scored) + len(held_back), name, plan, res))
+            continue
         scored.append((score, len(scored), name, plan, res))
         cpu[name] = time.process_time() - c1
         if score <= ideal:
             break
         if name.startswith("g10") and not size.whole_portfolio and score > _G10_NEAR * min(s[0] for s in scored):
             reply = False  # g10 is far behind here: its variants are not worth simulating
+    if held_back and not any(math.isfinite(x[0]) for x in scored):
+        scored += held_back  # nothing planned fits: hints are better than no plan
     scored.sort(key=lambda x: (score_key(x[0]), x[1]))
     if opts.get("portfolio", True) and scored[0][0] > ideal and (size.whole_portfolio or not scored[0][3].reactive):
         # deeptm's ILP is the costliest seed (about 1 s per episode on G10's workloads,

@@ -349,6 +349,12 @@ class Profiling:
                 # are the same cores (gpt2-small without a budget: 148 host steps, 2 GB
                 # copied per step, 12% slower than plain PyTorch).
                 options["levers"] = "move"
+            if name == "tierflow":
+                # NOTE: the runtime follows a planned plan move by move, as simulated; a
+                # reactive one (G10's hints) runs through a pager the simulator does not
+                # model, with on-demand fetches it did not predict. Hints only where no
+                # planned plan fits (the policy's own fallback).
+                options.setdefault("reactive", False)
             try:
                 plan = make_plan(name, trace, self._plan_hardware(hw, name), budget=budget, **options)
                 if plan.host_steps and not self._host_steps_allowed(name):
