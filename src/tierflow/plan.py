@@ -641,6 +641,9 @@ def validate(plan: Plan, trace: Trace, hardware: Hardware) -> Residency:
             raise PlanError(f"{where}: field 'tensor' names a tensor that does not exist (tensors: {n_t})")
         if not 0 <= m.after_op < n_ops:
             raise PlanError(f"{where}: field 'after_op' is outside 0..{n_ops - 1}")
+        if trace.tensors[m.tensor].external:
+            raise PlanError(f"{where}: the tensor is external ({trace.tensors[m.tensor].name or 'unnamed'}: "
+                            "held by the user's loop), not the executor's to move")
         if m.tier is not None and (m.tier not in tiers or m.tier == hardware.device):
             raise PlanError(f"{where}: field 'tier' is {m.tier!r}, not an off-device tier of {hardware.name}")
         if m.kind == "prefetch" and m.needed_by is not None and not 0 <= m.needed_by < n_ops:

@@ -79,6 +79,15 @@ class TensorInfo:
         key: runtime identity an executor uses to find the same tensor in a later
             iteration (``param:NAME``, ``saved:SEQ``, ``opt:NAME:KEY``); ``None`` for
             imported traces.
+        held_until: for a non-persistent tensor, the last op during which its memory
+            was still held although no op used it any more, as the runtime observed
+            (PyTorch frees a tensor when its last reference goes: a Python local, an
+            autograd buffer, a ``.grad`` until ``zero_grad``, not at its last use).
+            ``None``: freed at its last use (what a captured trace assumes).
+        external: made before the iteration and held by the user's loop (the batch,
+            its targets, as the runtime saw them): in memory from the iteration's
+            start, and not an executor's to move, so it has no gaps (a plan that moves
+            it fails :func:`tierflow.plan.validate`).
     """
 
     id: int
@@ -87,6 +96,8 @@ class TensorInfo:
     persistent: bool = False
     name: str = ""
     key: str | None = None
+    held_until: int | None = None
+    external: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,27 +272,39 @@ class Trace:
         return ops[ptr[1:] - 1]
 
     @cached_property
+    def external(self) -> np.ndarray:
+        """Boolean per tensor id: :attr:`TensorInfo.external`."""
+        return np.fromiter((t.external for t in self.tensors), dtype=bool, count=self.n_tensors)
+
+    @cached_property
     def birth(self) -> np.ndarray:
-        """First op during which the tensor occupies memory (0 for persistent tensors)."""
-        return np.where(self.persistent, 0, self.first_use)
+        """First op during which the tensor occupies memory (0 for persistent and
+        external tensors)."""
+        return np.where(self.persistent | self.external, 0, self.first_use)
 
     @cached_property
     def death(self) -> np.ndarray:
         """Last op during which the tensor occupies memory (inclusive; the last op for
-        persistent tensors)."""
-        return np.where(self.persistent, self.n_ops - 1, self.last_use)
+        persistent tensors): its last use, or later where the trace says its memory was
+        held longer (:attr:`TensorInfo.held_until`)."""
+        held = np.fromiter((-1 if t.held_until is None else t.held_until for t in self.tensors),
+                           dtype=np.int64, count=self.n_tensors)
+        return np.where(self.persistent, self.n_ops - 1, np.maximum(self.last_use, held))
 
     # -- gaps and the memory curve -------------------------------------------------------
     @cached_property
     def gaps(self) -> tuple[Gap, ...]:
         """Every inactive period of every tensor, by tensor then time. Persistent tensors
         get a wrapping gap from their last use to their first use of the next iteration
-        (also when they are used by one op only)."""
+        (also when they are used by one op only). External tensors have none: they
+        are not the executor's to move."""
         start = self.op_start_s
         total = start[-1]
         ptr, ops = self._use_csr
         out: list[Gap] = []
         for t in range(self.n_tensors):
+            if self.tensors[t].external:
+                continue
             u = ops[ptr[t] : ptr[t + 1]]
             for a, b in zip(u[:-1].tolist(), u[1:].tolist()):
                 if b > a + 1:
@@ -340,6 +363,8 @@ class Trace:
                     "persistent": t.persistent,
                     "name": t.name,
                     "key": t.key,
+                    **({"held_until": t.held_until} if t.held_until is not None else {}),
+                    **({"external": True} if t.external else {}),
                 }
                 for t in self.tensors
             ],
@@ -415,6 +440,10 @@ def _validate(trace: Trace) -> None:
             raise TraceError(f"tensor {i}: field 'bytes' must be a non-negative integer, got {t.bytes!r}")
         if t.kind not in KINDS:
             raise TraceError(f"tensor {i}: field 'kind' is {t.kind!r}, expected one of {', '.join(KINDS)}")
+        if t.held_until is not None and (isinstance(t.held_until, bool) or not isinstance(t.held_until, int)
+                                         or not 0 <= t.held_until < len(trace.ops)):
+            raise TraceError(f"tensor {i}: field 'held_until' is {t.held_until!r}, expected an op index "
+                             f"0..{len(trace.ops) - 1} or null")
     used = np.zeros(n, dtype=bool)
     for j, o in enumerate(trace.ops):
         if not isinstance(o, Op):
@@ -450,6 +479,9 @@ def _tensor_from(rec: Any, i: int, source: str) -> TensorInfo:
             persistent=bool(rec.get("persistent", False)),
             name=str(rec.get("name", "")),
             key=rec.get("key"),
+            held_until=_field(rec, "held_until", int, i, "tensor", source) if rec.get("held_until") is not None
+            else None,
+            external=bool(rec.get("external", False)),
         )
     except KeyError as e:
         raise TraceError(f"{source}: tensor {i}: missing field {e}") from None

@@ -471,7 +471,8 @@ def lower(trace: Trace, recomputes: tuple[Recompute, ...] = (),
         if t not in new_id:
             new_id[t] = len(tensors)
             info = trace.tensors[t]
-            tensors.append(TensorInfo(new_id[t], info.bytes, info.kind, info.persistent, info.name, info.key))
+            tensors.append(TensorInfo(new_id[t], info.bytes, info.kind, info.persistent, info.name, info.key,
+                                      external=info.external))
             tensor_of.append(t)
         return new_id[t]
 
@@ -515,6 +516,22 @@ def lower(trace: Trace, recomputes: tuple[Recompute, ...] = (),
         op_of.append(i)
         before_of.append(-1)
     del n_t
+    if any(t.held_until is not None for t in trace.tensors):
+        # a tensor's memory held past its last use (the runtime's trace) is held to the
+        # same original op here: the last lowered op at or before it
+        at = np.full(trace.n_ops, -1, dtype=np.int64)
+        for k, i in enumerate(op_of):
+            if i >= 0:
+                at[i] = k
+        at = np.maximum.accumulate(at)
+        dropped = {t for r in recomputes for t in r.tensors}
+        for k, t in enumerate(tensor_of):
+            # (a recomputed tensor's memory is held by its re-made copy, not the original)
+            if t < 0 or (new_id.get(t) == k and t in dropped):
+                continue
+            held = trace.tensors[t].held_until
+            if held is not None and at[held] >= 0:
+                tensors[k] = dataclasses.replace(tensors[k], held_until=int(at[held]))
     low = Trace(ops, tensors, name=f"{trace.name}+levers", meta=dict(trace.meta))
     return Lowered(low, trace, np.array(op_of, dtype=np.int64), np.array(before_of, dtype=np.int64),
                    np.array(tensor_of, dtype=np.int64), frozenset(recreated), tuple(recomputes),

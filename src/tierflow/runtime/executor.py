@@ -284,6 +284,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._leaving: deque[tuple[Any, int]] = deque()  # (event, bytes) of copies out in flight (CUDA)
         self._leaving_bytes = 0
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
+        self._held: list[_Entry] = []  # profiling: what the loop held when the iteration began
+        self._held_baseline = 0  # bytes the loop held when the plan's iteration was profiled
+        self._held_reserve = 0  # of those, bytes the trace does not have: kept free by the plan
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
         self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
@@ -399,6 +402,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if not self._in_iter:
             self._quiet = True
             try:
+                if self.plan is not None and not self._need_profile:
+                    self._check_held()  # the loop holds more than when profiled: profile again
                 self._begin()
                 for i, x in enumerate(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
                     e = self._entry(x)
@@ -413,6 +418,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._op = 0
         self._saved_seq = 0
         self._iter_tid: dict[int, int] = {}
+        self._freed_at: dict[int, int] = {}  # profiling: trace id -> last op its storage was alive
+        self._first_in: set[int] = set()  # profiling: trace ids first seen as an op's input
         self._recording = self._need_profile or self.plan is None
         self._planned = not self._recording and self.plan is not None and not self.plan.reactive
         self._hinted = not self._recording and self.plan is not None and self.plan.reactive
@@ -446,6 +453,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 if e is not None and e.state == RESIDENT and self._evict(e, tier):
                     self.stats.planned_moves += 1
         self._reap()  # (storages that died since, e.g. state moved to the host, are not counted)
+        if self._recording:
+            self._held = self._held_entries()
         self._iter_peak = self._device_bytes
         self._budgeted = math.isfinite(self.budget)
         self._t0 = time.perf_counter()
@@ -632,6 +641,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         elif in_iter and not following:
             n_before = len(self._iter_entries)
             in_ids = [self._tid(e) for e in ins]
+            if self._recording and len(self._iter_entries) > n_before:
+                # first seen as an op's input: made before the iteration (model state,
+                # the batch, its targets), not by one of its ops
+                self._first_in.update(range(n_before, len(self._iter_entries)))
             out_ids = [self._tid(e) for e in outs]
             new_bytes += sum(e.nbytes for e in self._iter_entries[n_before:] if e.kind not in ("parameter",))
             self._max_out = max(self._max_out, new_bytes)

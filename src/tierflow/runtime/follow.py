@@ -26,7 +26,10 @@ class PlanFollowing:
         entries, by_key, stats = self._iter_entries, self._by_key, self.stats
         for evict, tid, key, tier, slot in self._actions[op]:
             e = by_key.get(key) if key is not None else entries[tid]
-            if e is None or e.ref() is None or e.kind not in OWNED or not e.resizable:
+            # (a temporary the plan moves is found by the trace id it was bound to: made by
+            # an op of the iteration, nobody's but autograd's, safe to move)
+            if e is None or e.ref() is None or not e.resizable or (
+                    e.kind not in OWNED and not (key is None and e.kind == "temporary")):
                 stats.skipped_moves += 1
                 continue
             if evict:

@@ -10,6 +10,7 @@ step changes anything.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import time
@@ -25,6 +26,7 @@ from ..units import fmt_bytes
 from .errors import BudgetError
 from .storages import (
     METADATA_ONLY,
+    RESIDENT,
     _flat_tensor_args,
     _op_kind,
     _op_name,
@@ -99,6 +101,11 @@ def _bindings(trace: Trace, sigs: list[tuple], named: set[int] = frozenset()) ->
     return bind_in, bind_out
 
 
+# Share of the budget a plan leaves for what the loop comes to hold beyond what it held
+# when profiled (gpt-tiny over a list of 4 batches: 2 KB more once it had met them all,
+# against a plan within 68 bytes of its budget: 22 unplanned evictions, 20 fetches back)
+_HELD_MARGIN = 0.005
+
 _HOST_RATE: list[HostCompute] = []  # measured once per process
 
 
@@ -160,15 +167,67 @@ class Profiling:
                 f"{where} alone needs {fmt_bytes(worst)} ({worst} bytes); nothing was updated"
             )
 
+    def _held_entries(self) -> list:
+        """Storages on the device, between iterations, that no plan can move: what the
+        loop holds from earlier iterations (the batches it keeps, a loss or an output
+        it has not let go of). Parameters, optimizer state and gradients are the plan's."""
+        return [e for e in self._entries.values()
+                if e.state is RESIDENT and e.kind in ("input", "temporary", "activation") and not e.foreign
+                and e.ref() is not None]
+
+    def _check_held(self) -> None:
+        """Before a planned iteration: if the loop now holds more device memory than when
+        the plan's iteration was profiled (it keeps every batch it has seen, say), by
+        more than ``_HELD_MARGIN`` of the budget, the plan no longer fits beside it: this iteration
+        is profiled again and the plan remade with the larger reserve
+        (``stats.held_device_bytes``, ``stats.held_replans``)."""
+        if not math.isfinite(self.stats.budget_bytes):
+            return
+        self._reap()
+        now = sum(e.nbytes for e in self._held_entries())
+        if now - self._held_baseline > _HELD_MARGIN * self.stats.budget_bytes:
+            self._need_profile = True
+            self.stats.held_replans += 1
+
     def _build_trace(self) -> Trace:
-        self._drop_hook_ops()
+        # NOTE: memory the loop holds that this iteration does not use (other batches it
+        # keeps) is on the device all through it, and nothing can move it: the plan
+        # keeps that much of the budget free (see _make_plan)
+        used = {id(e) for e in self._iter_entries}
+        self._held_baseline = sum(e.nbytes for e in self._held)
+        self._held_reserve = sum(e.nbytes for e in self._held if id(e) not in used)
+        self._held = []
+        last_kept = self._drop_hook_ops()
+        n_ops = len(self._rec)
         tensors = []
         for i, e in enumerate(self._iter_entries):
             kind = e.kind
             if kind == "temporary" and e.name == "<pre-existing>" and e.ref() is not None:
                 kind = "parameter"  # held across iterations outside any op: model state
-            tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, kind in ("parameter", "optimizer_state"),
-                                      e.name, e.key))
+            persistent = kind in ("parameter", "optimizer_state")
+            # NOTE: what the iteration did not make and the runtime does not own (the
+            # batch, its targets, tensors the model keeps outside its state) is in
+            # memory from the iteration's start and cannot be moved: external, so that
+            # no plan counts on moving it (each such move was skipped, and the room the
+            # plan had counted on was made by unplanned evictions)
+            external = i in self._first_in and (e.kind in ("input", "temporary", "activation") or e.foreign)
+            # NOTE: PyTorch frees a storage when its last reference goes, not at its last
+            # use: a Python local, autograd's buffers, every .grad until zero_grad. The
+            # memory is held until then, and a plan that counts it freed at its last use
+            # finds the device fuller than simulated (unet-mini at 50%: 28 on-demand
+            # fetches a step, 0 predicted). Gradients alive at the end (until the next
+            # zero_grad) are the exception: a plan has no move for a tensor past its
+            # last use, and held they would make every budget below parameters plus
+            # gradients unplannable (vit-tiny at 30%); the runtime evicts them at need
+            # instead, and nothing fetches them back.
+            held = None
+            if not persistent and n_ops:
+                if e.ref() is not None:
+                    held = n_ops - 1 if kind != "gradient" else None  # still alive when the iteration ended
+                elif i in self._freed_at:
+                    held = last_kept(self._freed_at[i])
+            tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, persistent, e.name, e.key,
+                                      held if held is not None and held >= 0 else None, external))
         rec = self._rec
         if self._op_events and len(self._op_events) == len(rec):
             # CUDA: each op's time on the compute stream between events recorded around
@@ -190,11 +249,12 @@ class Profiling:
         """Leave out of the profiled iteration the ops our saved-tensor hooks caused
         (autograd's ``detach`` of what the unpack hook returned): the iterations that
         follow the plan run without the hooks (``_hooks_off_for_iteration``), so they
-        do not have them."""
+        do not have them. Returns the map from a recorded op's index to the index of the
+        last op kept at or before it."""
         drop = set(self._hook_ops)
         self._hook_ops = []
         if not drop:
-            return
+            return lambda j: j
         keep = [j for j in range(len(self._rec)) if j not in drop]
         self._rec = [self._rec[j] for j in keep]
         self._sigs = [self._sigs[j] for j in keep]
@@ -203,6 +263,8 @@ class Profiling:
         facts = getattr(self, "_facts", None)
         if facts is not None:
             self._facts = {new: facts[old] for new, old in enumerate(keep) if old in facts}
+        # an op index of the recorded iteration -> the last kept op at or before it
+        return lambda j: bisect.bisect_right(keep, j) - 1
 
     def _agree_trace(self, trace: Trace) -> Trace:
         """The trace every rank plans from: the same ops and tensors on every rank (else
@@ -311,37 +373,52 @@ class Profiling:
         if self._budget_share is not None:
             self.budget = self._budget_share * trace.peak_live_bytes
             self.stats.budget_bytes = self.budget
-        if self._cuda and math.isfinite(self.stats.budget_bytes):
+        held = 0
+        if math.isfinite(self.stats.budget_bytes):
             # NOTE: the budget is what torch.cuda.max_memory_allocated may reach; part of
             # that is memory no tracked storage holds (cuBLAS's workspaces, the caching
-            # allocator rounding blocks up): measured while profiling, it is kept free
-            reserve = int(self._untracked_seen)
-            self.budget = self.stats.budget_bytes - reserve
-            self.stats.untracked_device_bytes = reserve
+            # allocator rounding blocks up): measured while profiling, it is kept free.
+            untracked = int(self._untracked_seen) if self._cuda else 0
+            self.budget = self.stats.budget_bytes - untracked
+            self.stats.untracked_device_bytes = untracked
+            # So is, for the plan, what the loop holds beside the iteration (see
+            # _build_trace); the runtime counts those storages itself.
+            held = self._held_reserve
+            if held:
+                # a plan fills its budget to the byte: a loop that keeps its batches holds
+                # more as it meets new ones, so this much more is left for them before
+                # the iteration is profiled again (see _check_held)
+                held += int(_HELD_MARGIN * self.stats.budget_bytes)
+            self.stats.held_device_bytes = held
+        plan_budget = self.budget - held  # (what the trace's own tensors may have)
         chunker = self._chunker
-        if chunker is not None and chunker.cap is None and math.isfinite(self.budget):
-            chunker.cap = chunker.cap_for(self.budget)
+        if chunker is not None and chunker.cap is None and math.isfinite(plan_budget):
+            chunker.cap = chunker.cap_for(plan_budget)
             if chunker.cap is not None:  # the profiled step ran whole: profile the chunked one
                 return False
         need, op = min_working_set(trace)
-        if need > self.budget:
+        if need > plan_budget:
             reserve = self.stats.untracked_device_bytes
+            held = self.stats.held_device_bytes
+            outside = " and ".join(
+                ([f"{fmt_bytes(reserve)} of device memory in use outside tierflow's tensors (cuBLAS's "
+                  "workspaces, the allocator's rounding)"] if reserve else [])
+                + ([f"{fmt_bytes(held)} the loop holds beside the iteration (batches it keeps)"] if held else []))
             left = (f"budget {fmt_bytes(self.stats.budget_bytes)} ({int(self.stats.budget_bytes)} bytes), less "
-                    f"{fmt_bytes(reserve)} of device memory in use outside tierflow's tensors (cuBLAS's "
-                    f"workspaces, the allocator's rounding), leaves {fmt_bytes(self.budget)}, which"
-                    if reserve else f"budget {fmt_bytes(self.budget)} ({int(self.budget)} bytes)")
+                    f"{outside}, leaves {fmt_bytes(plan_budget)}, which"
+                    if outside else f"budget {fmt_bytes(plan_budget)} ({int(plan_budget)} bytes)")
             raise BudgetError(
                 f"{left} is below the minimum working set: "
                 f"op {op} ({trace.ops[op].name}) alone needs {fmt_bytes(need)} ({need} bytes)"
             )
-        budget = self.budget if math.isfinite(self.budget) else None
+        budget = plan_budget if math.isfinite(plan_budget) else None
         arg = self._policy_arg
         if callable(arg):
-            plan = arg(trace, hw, self.budget)
+            plan = arg(trace, hw, plan_budget)
         else:
             name = arg
             options = dict(self._policy_options)
-            if name == "tierflow" and "levers" not in options and trace.peak_live_bytes <= self.budget:
+            if name == "tierflow" and "levers" not in options and trace.peak_live_bytes <= plan_budget:
                 # NOTE: the iteration fits: nothing leaves the device (what a user without
                 # a budget expects). The joint planner would otherwise step the optimizer
                 # on the host for a simulated gain, the host update overlapping the
@@ -365,7 +442,7 @@ class Profiling:
                 # The policy cannot plan for this budget (the budget itself is above the
                 # minimum working set: checked above). Training goes on with the reactive
                 # pager, which needs no plan; stats.plan_error says why.
-                plan = Plan(policy=f"lru (fallback from {name})", budget_bytes=self.budget, reactive=True)
+                plan = Plan(policy=f"lru (fallback from {name})", budget_bytes=plan_budget, reactive=True)
                 self.stats.plan_error = str(e)
         self._start_away: dict[str, str] = {}
         if not plan.reactive:
@@ -404,7 +481,10 @@ class Profiling:
         self._flat_args = [f is not None and _flat_tensor_args(f) for f in self._fast_funcs]
         self._write_spots = [_write_spots(f) if f is not None else () for f in self._fast_funcs]
         if math.isfinite(self.budget) or plan.moves or plan.recomputes or plan.host_steps:
-            self._bind_in, self._bind_out = _bindings(trace, sigs, {t for r in plan.recomputes for t in r.tensors})
+            # (a temporary the plan moves is bound too: _fire moves it by its trace id)
+            named = {t for r in plan.recomputes for t in r.tensors}
+            named |= {m.tensor for m in plan.moves if not trace.tensors[m.tensor].persistent}
+            self._bind_in, self._bind_out = _bindings(trace, sigs, named)
         else:  # no budget and nothing planned: no tensor will ever be moved or ranked, so
             # none is identified (a departure is still caught by op and result sizes)
             self._bind_in = self._bind_out = [None] * len(sigs)
@@ -421,7 +501,7 @@ class Profiling:
         self._pending.clear()
         born = [0] * (trace.n_ops + 1)
         for t in trace.tensors:
-            if not t.persistent:
+            if not t.persistent and not t.external:  # (an external tensor is there before op 0)
                 born[int(trace.birth[t.id])] += t.bytes
         self._born = born
         if self._chunker is not None:

@@ -28,6 +28,11 @@ class RunStats:
             allocator's rounding, tensors made outside the block); plans and the pager
             keep the tracked bytes within ``budget_bytes`` minus this, so that
             ``torch.cuda.max_memory_allocated`` stays within the budget. 0 on CPU.
+        held_device_bytes: device memory the loop held beside the profiled iteration,
+            which no plan can move (the batches it keeps, a loss it has not let go of):
+            plans keep it free, within the budget.
+        held_replans: times the loop came to hold more than that (by over 0.5% of the
+            budget) and the next iteration was profiled and planned again.
         link_bytes_per_s: CUDA: the measured pinned copy rate per direction
             (``device->host``, ``host->device``) the plan was made with.
         moved_bytes: bytes copied per tier, both directions (``host``, ``ssd``).
@@ -102,6 +107,8 @@ class RunStats:
     cuda_max_allocated: int | None = None
     budget_bytes: float = math.inf
     untracked_device_bytes: int = 0
+    held_device_bytes: int = 0
+    held_replans: int = 0
     link_bytes_per_s: dict[str, float] = field(default_factory=dict)
     moved_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "ssd": 0})
     transfers: dict[str, int] = field(default_factory=dict)

@@ -409,7 +409,10 @@ class StorageTracking:
             if self._by_key.get(e.key) is e:
                 del self._by_key[e.key]
         if self._in_iter:
-            self._iter_tid.pop(c, None)
+            tid = self._iter_tid.pop(c, None)
+            if tid is not None and self._recording:
+                # (found dead before op ``_op`` runs: its memory was held through the op before)
+                self._freed_at[tid] = self._op - 1
         if e.foreign and self._foreign.get(c) is e:
             del self._foreign[c]
         if e.state is RESIDENT:

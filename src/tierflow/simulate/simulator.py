@@ -401,10 +401,17 @@ class _Simulator:
         self._place_initial()
         total = iterations * n_ops
         every = max(1, total // 100)
+        # external tensors (the batch the loop made before the iteration) are in memory
+        # from its start, not from their first use
+        externals = tuple(np.flatnonzero(trace.external & ~trace.persistent).tolist())
         for it in range(iterations):
             last = it == iterations - 1
             if last:
                 self._open_window()
+            if externals:
+                self.current_op = 0
+                self._bring_in(externals)
+                self.pinned = set()
             for i in range(n_ops):
                 self.current_op = i
                 if self.issue_debt:  # the thread issued transfers since the last op
