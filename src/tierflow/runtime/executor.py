@@ -285,6 +285,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._leaving_bytes = 0
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._held: list[_Entry] = []  # profiling: what the loop held when the iteration began
+        self._from_profile = False  # the next planned iteration is the first after a profile
+        self._external_tids: frozenset[int] = frozenset()  # the plan's trace: external tensors
         self._held_baseline = 0  # bytes the loop held when the plan's iteration was profiled
         self._held_reserve = 0  # of those, bytes the trace does not have: kept free by the plan
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
@@ -452,6 +454,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 e = self._by_key.get(key)
                 if e is not None and e.state == RESIDENT and self._evict(e, tier):
                     self.stats.planned_moves += 1
+            if self._from_profile:
+                self._from_profile = False
+                self._enter_start_state()
         self._reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         if self._recording:
             self._held = self._held_entries()
@@ -645,6 +650,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 # first seen as an op's input: made before the iteration (model state,
                 # the batch, its targets), not by one of its ops
                 self._first_in.update(range(n_before, len(self._iter_entries)))
+                for e in self._iter_entries[n_before:]:
+                    self._mark_external(e)
             out_ids = [self._tid(e) for e in outs]
             new_bytes += sum(e.nbytes for e in self._iter_entries[n_before:] if e.kind not in ("parameter",))
             self._max_out = max(self._max_out, new_bytes)
@@ -698,7 +705,18 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             tid_of[e.cdata] = tid
             if label is not None and e.key is None:  # an activation or gradient, as profiled
                 self._label(e, *label)
+            elif tid in self._external_tids:
+                self._mark_external(e)
         return True
+
+    def _mark_external(self, e: _Entry) -> None:
+        """``e`` was made before the iteration and the user's loop holds it (the batch,
+        its targets; see :attr:`tierflow.trace.TensorInfo.external`): no plan moves it,
+        so neither does the pager (it would be fetched back on demand when the loop
+        comes back to that batch)."""
+        if e.kind in ("input", "temporary", "activation") and not e.foreign:
+            e.external = True
+            self._lru.pop(e.cdata, None)
 
     def _check_outs(self, i: int, outs: list[_Entry]) -> None:
         """Op ``i``'s results against the trace: as many, of the same sizes (what the

@@ -444,6 +444,8 @@ class Profiling:
                 # pager, which needs no plan; stats.plan_error says why.
                 plan = Plan(policy=f"lru (fallback from {name})", budget_bytes=plan_budget, reactive=True)
                 self.stats.plan_error = str(e)
+        self._from_profile = True
+        self._external_tids = frozenset(t.id for t in trace.tensors if t.external)
         self._start_away: dict[str, str] = {}
         if not plan.reactive:
             try:

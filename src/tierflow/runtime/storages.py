@@ -51,6 +51,7 @@ class _Entry:
     touched: bool = False  # an op used it after the collective that pinned it
     foreign: bool = False  # resized by someone else (FSDP's unsharded parameters): never moved
     top: int = 0  # largest size seen (a foreign storage's size changes under us)
+    external: bool = False  # made before an iteration, held by the user's loop: never moved
     # host steps (runtime/host_step.py): the host buffer that is this storage's home off
     # the device (a host-stepped parameter's master copy, its gradient's buffer): while
     # away in it the tier is "home"; synced: the device bytes equal the home's
@@ -306,7 +307,7 @@ class StorageTracking:
         e.kind, e.key, e.name = kind, key, name
         if e.persistent:
             self._by_key[key] = e
-        if kind in OWNED and e.state == RESIDENT and e.resizable:
+        if kind in OWNED and e.state == RESIDENT and e.resizable and not e.external:
             self._lru[e.cdata] = e
 
     def _label_opt_state(self) -> None:
