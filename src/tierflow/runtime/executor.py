@@ -67,6 +67,7 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
 from ..units import parse_bytes
+from . import tiers
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .host_step import HostSteps
@@ -253,24 +254,32 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def __enter__(self) -> Run:
         model_bytes = sum(_storage_bytes(t) for t in self._state_tensors())
-        # Default pool sizes: weights, gradients and two Adam moments, plus the budget's
-        # worth of activations. Enough for every plan whose host tier fits these sizes (the
-        # planner is told them); pass host_bytes/ssd_bytes to trade memory for spilling.
-        default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
-        host = parse_bytes(self._host_bytes) if self._host_bytes is not None else default
-        self._host = HostPool(host, pin=self.device.type == "cuda")
+        # The host pool: host_bytes, a fixed size allocated now; by default it grows by
+        # chunks as evictions need room, and after planning to the plan's host peak, up
+        # to the host's available memory less a margin (the planner is told that bound).
+        pin = self.device.type == "cuda"
+        if self._host_bytes is not None:
+            self._host = HostPool(parse_bytes(self._host_bytes), pin=pin, fixed=True)
+        else:
+            bound = tiers.host_memory_bound()
+            if not self._cuda and math.isfinite(self.budget):
+                # NOTE: in CPU mode the "device" is host RAM too: what the iteration keeps
+                # there (up to the budget) beyond the model state, already allocated, is
+                # not the pool's to take
+                bound -= max(int(self.budget) - model_bytes, 0)
+            self._host = HostPool(max(bound, 0), pin=pin)
         self._memmove = self.device.type == "cpu"  # (moves.Moves: host moves by memmove)
-        self._host_base = self._host.buffer.data_ptr()
         self._ssd: SSDStore | None = None
         if self._ssd_dir is not None:
+            # the SSD file's default: weights, gradients and two Adam moments, plus the
+            # budget's worth of activations
+            default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
             cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default
             self._ssd = SSDStore(self._ssd_dir, cap, bounce_bytes=min(max(cap // 4, 16 << 20), 256 << 20),
                                  workers=self._io_workers, pin=self.device.type == "cuda")
-        self.stats.host_pool_bytes = self._host.capacity
         self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd else 0
         self.stats.ssd_bounce_bytes = self._ssd.bounce.capacity if self._ssd else 0
-        self.stats.pinned_bytes = (self._host.capacity if self.device.type == "cuda" else 0) + (
-            self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
+        self._host_sized()  # (stats.host_pool_bytes, pinned_bytes)
         self._copier = Copier(self.device)
         self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
         self._entries: dict[int, _Entry] = {}

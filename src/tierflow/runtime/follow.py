@@ -14,6 +14,9 @@ import numpy as np
 
 from ..errors import TierflowError
 from ..trace import Trace
+from ..units import fmt_bytes
+from . import tiers
+from .errors import OffloadError
 from .storages import AWAY, OWNED, RESIDENT, _Entry
 
 
@@ -121,6 +124,7 @@ class PlanFollowing:
         if self._ssd is not None:
             arenas["ssd"] = self._ssd.arena
         layout: dict[tuple[int, int, str], int] = {}
+        self._layout_need = {}  # runtime tier -> (bytes the layout spans, its largest slot)
         for tier in hw.offload_tiers:
             rt = self._tier_of(tier)
             if rt not in arenas:
@@ -132,9 +136,65 @@ class PlanFollowing:
             if not problem.buffers:
                 continue
             sol = solve(problem, "greedy")
+            span, largest = self._layout_need.get(rt, (0, 0))
             for b, off in zip(problem.buffers, sol.offsets.tolist()):
                 layout[(int(b.id.split(".")[0]), b.lower, rt)] = int(off)
+                span, largest = max(span, int(off) + b.size), max(largest, b.size)
+            self._layout_need[rt] = (span, largest)
         return layout
+
+    def _fit_host_pool(self, trace: Trace, plan: Any) -> None:
+        """Make the host pool hold what the plan needs there before the first iteration
+        that follows it: a planned plan, its layout's span (grown to now); a reactive
+        one, at least what must leave the device at the iteration's peak (it grows as
+        it evicts). Without an SSD to spill to, a need above the pool's limit raises
+        :class:`OffloadError` here, at planning, with the model and optimizer whole.
+
+        Raises:
+            OffloadError: the host pool cannot hold what the plan needs and there is no
+                SSD tier.
+        """
+        pool = self._host
+        if plan.reactive:
+            need = int(trace.peak_live_bytes - self.budget) if math.isfinite(self.budget) else 0
+            largest = 0
+        else:
+            need, largest = getattr(self, "_layout_need", {}).get("host", (0, 0))
+            need = max(need, self._planned_host_bytes(trace, plan))
+        fits = need <= pool.limit and (pool.fixed or pool.reserve(need, largest))
+        self._host_sized()
+        if fits or self._ssd is not None:
+            return  # (an SSD tier takes what the host cannot: the moves spill there)
+        what = "the plan keeps" if not plan.reactive else "at least"
+        if pool.fixed:
+            room, fix = f"the host pool is fixed at {fmt_bytes(pool.limit)} (host_bytes)", "a larger host_bytes"
+        else:
+            room = (f"the host has {fmt_bytes(pool.limit)} ({pool.limit} bytes) for it (its available "
+                    f"memory less {tiers.HOST_MARGIN:.0%})")
+            fix = "a larger budget"
+        raise OffloadError(
+            f"offload: {plan.policy}'s plan needs {what} {fmt_bytes(need)} ({need} bytes) in the host pool, "
+            f"but {room}: pass ssd_dir= for an SSD tier, or {fix}"
+        )
+
+    def _planned_host_bytes(self, trace: Trace, plan: Any) -> int:
+        """The most bytes a planned plan keeps on its host tiers at once, by the
+        validator's residency, less its host steps' buffers (those live beside the
+        pool: runtime/host_step.py). 0 where the plan does not validate."""
+        from ..plan import validate
+
+        try:
+            residency = validate(plan, trace, self.hardware)
+        except TierflowError:
+            return 0
+        hosts = [t.name for t in self.hardware.tiers if t.name != self.hardware.device
+                 and self._tier_of(t.name) == "host" and t.name in residency.tier_bytes]
+        if not hosts:
+            return 0
+        held = sum(sum(trace.tensors[s].bytes for s in h.state) + trace.tensors[h.grad].bytes
+                   + trace.tensors[h.param].bytes for h in plan.host_steps if h.tier in hosts)
+        peak = int(np.sum([residency.tier_bytes[t] for t in hosts], axis=0).max()) if trace.n_ops else 0
+        return max(peak - held, 0)
 
     def _tier_of(self, name: str | None) -> str:
         """The runtime tier (``host`` or ``ssd``) for a plan's tier name."""

@@ -232,7 +232,7 @@ class Profiling:
                 hw = self._measured_links(hw)
             host = next((t.name for t in hw.tiers if t.kind == "host"), None)
             if host is not None:
-                hw = hw.with_tier(host, capacity=float(self._host.capacity))
+                hw = hw.with_tier(host, capacity=float(self._host.limit))
             for t in hw.tiers:
                 if t.kind == "ssd":
                     hw = hw.with_tier(t.name, capacity=float(self._ssd.capacity if self._ssd else 0))
@@ -244,7 +244,7 @@ class Profiling:
         if self._sync is not None:
             total = self._sync.min(total)
         tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
-                 Tier("host", "host", float(self._host.capacity))]
+                 Tier("host", "host", float(self._host.limit))]
         links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
         if self._ssd is not None:
             # NVMe-class rates; the runtime's own transfers are what stats report
@@ -389,6 +389,7 @@ class Profiling:
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
         self._layout = self._plan_layout(trace, plan, hw)
+        self._fit_host_pool(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
         sigs = self._trace_sigs_next
         self._n_ops, self._n_tensors = len(sigs), trace.n_tensors
