@@ -275,11 +275,13 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # budget's worth of activations
             default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
             cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default
+            # (ssd_bytes: a fixed size; by default the file starts there and grows, up to
+            # the disk's free space less a margin)
+            limit = None if self._ssd_bytes is not None else tiers.disk_bound(self._ssd_dir)
             self._ssd = SSDStore(self._ssd_dir, cap, bounce_bytes=min(max(cap // 4, 16 << 20), 256 << 20),
-                                 workers=self._io_workers, pin=self.device.type == "cuda")
-        self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd else 0
+                                 workers=self._io_workers, pin=self.device.type == "cuda", limit=limit)
         self.stats.ssd_bounce_bytes = self._ssd.bounce.capacity if self._ssd else 0
-        self._host_sized()  # (stats.host_pool_bytes, pinned_bytes)
+        self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes)
         self._copier = Copier(self.device)
         self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
         self._entries: dict[int, _Entry] = {}
@@ -389,6 +391,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._sync.close()
                 self._sync = None
             self.stats.host_pool_peak = self._host.arena.peak
+            self._tiers_sized()
             self._host.close()
             if self._ssd is not None:
                 self._ssd.close()

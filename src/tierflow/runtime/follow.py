@@ -144,27 +144,39 @@ class PlanFollowing:
         return layout
 
     def _fit_host_pool(self, trace: Trace, plan: Any) -> None:
-        """Make the host pool hold what the plan needs there before the first iteration
-        that follows it: a planned plan, its layout's span (grown to now); a reactive
-        one, at least what must leave the device at the iteration's peak (it grows as
-        it evicts). Without an SSD to spill to, a need above the pool's limit raises
-        :class:`OffloadError` here, at planning, with the model and optimizer whole.
+        """Make the tiers hold what the plan needs there before the first iteration that
+        follows it: a planned plan, its layout's span in the host pool and the SSD file
+        (grown to now); a reactive one, at least what must leave the device at the
+        iteration's peak (the pool grows as it evicts). A need above what the tiers may
+        grow to raises :class:`OffloadError` here, at planning, with the model and
+        optimizer whole (planning runs after the profiled step has finished).
 
         Raises:
-            OffloadError: the host pool cannot hold what the plan needs and there is no
-                SSD tier.
+            OffloadError: the host pool (and the SSD file, where there is one) cannot hold
+                what the plan needs.
         """
-        pool = self._host
+        pool, ssd = self._host, self._ssd
+        layout = getattr(self, "_layout_need", {})
         if plan.reactive:
             need = int(trace.peak_live_bytes - self.budget) if math.isfinite(self.budget) else 0
-            largest = 0
+            largest, ssd_need = 0, 0
+            fits = need <= pool.limit + (ssd.limit if ssd is not None else 0)
         else:
-            need, largest = getattr(self, "_layout_need", {}).get("host", (0, 0))
+            need, largest = layout.get("host", (0, 0))
             need = max(need, self._planned_host_bytes(trace, plan))
-        fits = need <= pool.limit and (pool.fixed or pool.reserve(need, largest))
-        self._host_sized()
-        if fits or self._ssd is not None:
-            return  # (an SSD tier takes what the host cannot: the moves spill there)
+            ssd_need = layout.get("ssd", (0, 0))[0]
+            # (what the host cannot hold spills to an SSD tier, where there is one)
+            fits = need <= pool.limit or ssd is not None
+        if fits:
+            if need <= pool.limit and not pool.fixed:
+                pool.reserve(need, largest)
+            if ssd is not None and ssd_need > ssd.capacity and not ssd.reserve(ssd_need):
+                raise OffloadError(
+                    f"offload: {plan.policy}'s plan needs {fmt_bytes(ssd_need)} ({ssd_need} bytes) in the SSD file, "
+                    f"but it can grow to {fmt_bytes(ssd.capacity)} in {ssd.dir}: free space there, pass a larger "
+                    "budget, or a larger ssd_bytes")
+            self._tiers_sized()
+            return
         what = "the plan keeps" if not plan.reactive else "at least"
         if pool.fixed:
             room, fix = f"the host pool is fixed at {fmt_bytes(pool.limit)} (host_bytes)", "a larger host_bytes"
@@ -172,9 +184,12 @@ class PlanFollowing:
             room = (f"the host has {fmt_bytes(pool.limit)} ({pool.limit} bytes) for it (its available "
                     f"memory less {tiers.HOST_MARGIN:.0%})")
             fix = "a larger budget"
+        if ssd is not None:
+            room += f" and the SSD file {fmt_bytes(ssd.limit)}"
         raise OffloadError(
             f"offload: {plan.policy}'s plan needs {what} {fmt_bytes(need)} ({need} bytes) in the host pool, "
-            f"but {room}: pass ssd_dir= for an SSD tier, or {fix}"
+            f"but {room}: " + ("pass ssd_dir= for an SSD tier, or " if ssd is None else "free disk space, or pass ")
+            + fix
         )
 
     def _planned_host_bytes(self, trace: Trace, plan: Any) -> int:

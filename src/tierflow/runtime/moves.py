@@ -77,11 +77,13 @@ class Moves:
         fixed or at its limit); the stats follow the pool's size."""
         if not self._host.grow(nbytes):
             return False
-        self._host_sized()
+        self._tiers_sized()
         return True
 
-    def _host_sized(self) -> None:
+    def _tiers_sized(self) -> None:
+        """The stats of the tiers' sizes, as they are now (both may grow)."""
         self.stats.host_pool_bytes = self._host.capacity
+        self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd is not None else 0
         self.stats.pinned_bytes = self._host.pinned_bytes + (
             self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
 

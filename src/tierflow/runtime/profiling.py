@@ -235,7 +235,7 @@ class Profiling:
                 hw = hw.with_tier(host, capacity=float(self._host.limit))
             for t in hw.tiers:
                 if t.kind == "ssd":
-                    hw = hw.with_tier(t.name, capacity=float(self._ssd.capacity if self._ssd else 0))
+                    hw = hw.with_tier(t.name, capacity=float(self._ssd.limit if self._ssd else 0))
             return hw
         if self._hardware_arg is not None:
             return load_hardware(self._hardware_arg)
@@ -248,7 +248,7 @@ class Profiling:
         links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
         if self._ssd is not None:
             # NVMe-class rates; the runtime's own transfers are what stats report
-            tiers.append(Tier("ssd", "ssd", float(self._ssd.capacity), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
+            tiers.append(Tier("ssd", "ssd", float(self._ssd.limit), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
             links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
         host = _host_optimizer_rate()
         if self._move_s is None:

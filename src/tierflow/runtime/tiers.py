@@ -88,6 +88,19 @@ class Arena:
         self.capacity += n
         return base
 
+    def extend(self, nbytes: int) -> None:
+        """Append ``nbytes`` (a multiple of ``align``) of room at the end, contiguous with
+        what is there (a file that grew: a slot may span the old end)."""
+        n = int(nbytes)
+        if n <= 0 or n % self.align:
+            raise ValueError(f"Arena.extend: {n} bytes is not a positive multiple of {self.align}")
+        if self._starts and self._starts[-1] + self._sizes[-1] == self.capacity:
+            self._sizes[-1] += n
+        else:
+            self._starts.append(self.capacity)
+            self._sizes.append(n)
+        self.capacity += n
+
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a free slot of ``nbytes`` (rounded up), or None if none is big enough."""
         n = _round_up(max(int(nbytes), 1), self.align)
@@ -325,6 +338,32 @@ def clean_stale(ssd_dir: str | Path) -> list[Path]:
     return removed
 
 
+def disk_free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged process may still write on ``path``'s filesystem."""
+    st = os.statvfs(path)
+    return int(st.f_bavail * st.f_frsize)
+
+
+# NOTE: the SSD file may grow to all but this share of the disk's free space when the
+# run starts: the rest is left to what else writes there (checkpoints, logs), since a
+# full filesystem fails them, not just us.
+DISK_MARGIN = 0.10
+
+
+def disk_bound(path: str | Path) -> int:
+    """The most bytes a default SSD file in ``path`` may grow to: the filesystem's free
+    space less :data:`DISK_MARGIN` (0 where ``path`` cannot be looked at)."""
+    try:
+        return int(disk_free_bytes(path) * (1 - DISK_MARGIN)) // PAGE * PAGE
+    except OSError:
+        return 0
+
+
+# The SSD file grows by at least this much (or by what it holds so far, whichever is
+# less): fallocate is cheap, but each call is a system call on the thread that evicts.
+_FILE_STEP = 256 << 20
+
+
 class SSDStore:
     """The SSD tier: one pre-allocated file, a bounce arena, and an I/O thread pool.
 
@@ -332,6 +371,8 @@ class SSDStore:
         ssd_dir: where the run's private directory is made (must exist).
         capacity: file size in bytes, allocated at once (``ENOSPC`` here is an
             :class:`SSDError` before training starts).
+        limit: the most bytes the file may grow to (:meth:`grow`, with
+            ``posix_fallocate``); None: it stays at ``capacity`` (``ssd_bytes=``).
         bounce_bytes: page-aligned host staging memory for transfers in flight. More
             lets more writes overlap compute; a write that finds it full first waits for
             the oldest write in flight.
@@ -349,7 +390,7 @@ class SSDStore:
     """
 
     def __init__(self, ssd_dir: str | Path, capacity: int, bounce_bytes: int, workers: int = 2, direct: bool = True,
-                 pin: bool = False):
+                 pin: bool = False, limit: int | None = None):
         root = Path(ssd_dir)
         if not root.is_dir():
             raise SSDError(f"ssd_dir {root}: not a directory")
@@ -381,6 +422,8 @@ class SSDStore:
                 f"{e.strerror or e}"
             ) from None
         self.arena = Arena(self.capacity, align=PAGE)
+        self.fixed = limit is None
+        self.limit = self.capacity if limit is None else max(self.capacity, int(limit) // PAGE * PAGE)
         self.bounce = Arena(_round_up(max(int(bounce_bytes), PAGE), PAGE), align=PAGE)
         self.pinned = bool(pin)
         if pin:  # page-locked by CUDA's allocator, page-aligned by hand (O_DIRECT needs it)
@@ -428,16 +471,42 @@ class SSDStore:
     def bounce_view(self, off: int, nbytes: int) -> torch.Tensor:
         return self.bounce_buffer[off : off + nbytes]
 
+    def grow(self, nbytes: int) -> bool:
+        """Extend the file (``posix_fallocate``) by enough for a slot of ``nbytes``, up to
+        :attr:`limit`. False where it is fixed, at its limit, or the disk refuses."""
+        if self.fixed:
+            return False
+        n = _round_up(max(int(nbytes), 1), PAGE)
+        for size in (max(n, min(self.capacity, _FILE_STEP)), n):
+            if self.capacity + size > self.limit:
+                continue
+            try:
+                os.posix_fallocate(self.fd, self.capacity, size)
+            except OSError:
+                return False
+            self.arena.extend(size)
+            self.capacity = self.arena.capacity
+            return True
+        return False
+
+    def reserve(self, nbytes: int) -> bool:
+        """Grow the file to at least ``nbytes``; False where :meth:`grow` cannot."""
+        return self.capacity >= nbytes or self.grow(nbytes - self.capacity) and self.capacity >= nbytes
+
     def alloc_file(self, nbytes: int, what: str, at: int | None = None) -> int:
         """A slot of the file: at ``at`` (a planned layout's offset) when that is free,
-        else the first that fits."""
+        else the first that fits, else one the file grows for."""
         off = self.arena.alloc_at(at, nbytes) if at is not None else None
         if off is None:
             off = self.arena.alloc(nbytes)
+        if off is None and self.grow(nbytes):
+            off = self.arena.alloc(nbytes)
         if off is None:
+            fix = "pass a larger ssd_bytes" if self.fixed else (
+                f"the file may grow to {fmt_bytes(self.limit)}, the disk's free space less a margin")
             raise SSDError(
                 f"SSD tier full: {what} needs {fmt_bytes(nbytes)}, {fmt_bytes(self.arena.free)} free of "
-                f"{fmt_bytes(self.capacity)} in {self.path} (pass a larger ssd_bytes)"
+                f"{fmt_bytes(self.capacity)} in {self.path} ({fix})"
             )
         return off
 
@@ -463,5 +532,5 @@ class SSDStore:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-__all__ = ["Arena", "HostPool", "OffloadError", "SSDError", "SSDStore", "clean_stale", "host_available_bytes",
-           "host_memory_bound"]
+__all__ = ["Arena", "HostPool", "OffloadError", "SSDError", "SSDStore", "clean_stale", "disk_bound", "disk_free_bytes",
+           "host_available_bytes", "host_memory_bound"]
