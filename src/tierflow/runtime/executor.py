@@ -261,7 +261,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._host_bytes is not None:
             self._host = HostPool(parse_bytes(self._host_bytes), pin=pin, fixed=True)
         else:
-            bound = tiers.host_memory_bound()
+            # NOTE: ranks on one host (torchrun sets LOCAL_WORLD_SIZE) share its memory
+            bound = tiers.host_memory_bound() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
             if not self._cuda and math.isfinite(self.budget):
                 # NOTE: in CPU mode the "device" is host RAM too: what the iteration keeps
                 # there (up to the budget) beyond the model state, already allocated, is
@@ -948,10 +949,16 @@ def offload(
             :class:`Hardware` (CUDA default: ``h100-80g-pcie5-nvme`` with the real
             device's capacity; CPU default: RAM as device and host with the measured
             copy bandwidth, an NVMe-class SSD).
-        host_bytes: the pinned host pool's size (default four times the model state
-            plus the budget, bounded by eight times the model state, plus 16 MiB).
-            Pinned memory is not swappable: too much starves the host.
-        ssd_bytes: the SSD file's size (same default), allocated up front.
+        host_bytes: a fixed size for the (pinned, on CUDA) host pool, allocated up
+            front and never grown. Default: the pool starts empty, grows by chunks as
+            evictions need room and, after planning, to what the plan keeps on the host,
+            up to the host memory available when the block opens less 10% (the host
+            capacity the planner is told). Pinned memory is not swappable: too much
+            starves the host.
+        ssd_bytes: a fixed size for the SSD file, allocated up front. Default: it starts
+            at four times the model state plus the budget (capped at four times the
+            model state) plus 16 MiB and grows as needed, up to the disk's free space
+            less 10%.
         io_workers: SSD I/O threads (2: enough to keep one NVMe busy from Python).
         policy_options: extra options for the policy (``lookahead`` for deepum, ...).
         sync_ranks: under ``torch.distributed`` with more than one rank (DDP, FSDP2:
@@ -981,7 +988,9 @@ def offload(
     Raises:
         BudgetError: the budget is below the minimum working set.
         SSDError: the SSD file cannot be created (filesystem full) or I/O failed.
-        OffloadError: the host pool is full and there is no SSD to spill to.
+        OffloadError: the host pool is full and there is no SSD to spill to; raised at
+            planning (after the profiled step) where the plan needs more host memory
+            than the pool may hold.
         RankMismatchError: (an ``OffloadError``) the ranks profiled different iterations
             or made different plans; raised on every rank.
 

@@ -143,7 +143,7 @@ class PlanFollowing:
             self._layout_need[rt] = (span, largest)
         return layout
 
-    def _fit_host_pool(self, trace: Trace, plan: Any) -> None:
+    def _fit_tiers(self, trace: Trace, plan: Any) -> None:
         """Make the tiers hold what the plan needs there before the first iteration that
         follows it: a planned plan, its layout's span in the host pool and the SSD file
         (grown to now); a reactive one, at least what must leave the device at the
@@ -173,7 +173,7 @@ class PlanFollowing:
             if ssd is not None and ssd_need > ssd.capacity and not ssd.reserve(ssd_need):
                 raise OffloadError(
                     f"offload: {plan.policy}'s plan needs {fmt_bytes(ssd_need)} ({ssd_need} bytes) in the SSD file, "
-                    f"but it can grow to {fmt_bytes(ssd.capacity)} in {ssd.dir}: free space there, pass a larger "
+                    f"but it may grow to {fmt_bytes(ssd.limit)} in {ssd.dir}: free space there, pass a larger "
                     "budget, or a larger ssd_bytes")
             self._tiers_sized()
             return
@@ -191,6 +191,18 @@ class PlanFollowing:
             f"but {room}: " + ("pass ssd_dir= for an SSD tier, or " if ssd is None else "free disk space, or pass ")
             + fix
         )
+
+    def _tier_limits(self) -> tuple[int, int]:
+        """The most the host pool and the SSD file may hold: the capacities the planner
+        is told. Under several ranks, the smallest any rank has (every rank keeps to it):
+        the ranks plan for one machine, and each measured its free memory at its own
+        moment."""
+        pool, ssd = self._host, self._ssd
+        if self._sync is not None:
+            pool.limit = int(self._sync.min(pool.limit))
+            if ssd is not None:
+                ssd.limit = max(ssd.capacity, int(self._sync.min(ssd.limit)))
+        return pool.limit, (ssd.limit if ssd is not None else 0)
 
     def _planned_host_bytes(self, trace: Trace, plan: Any) -> int:
         """The most bytes a planned plan keeps on its host tiers at once, by the

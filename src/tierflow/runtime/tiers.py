@@ -1,4 +1,4 @@
-"""The off-device tiers: the host pool (chunks of host memory) and one pre-allocated SSD file.
+"""The off-device tiers: the host pool (chunks of host memory) and one SSD file.
 
 Both are carved up by :class:`Arena`, a first-fit free list with coalescing: a tensor
 gets a slot when it is evicted and gives it back when it is fetched (or dies while
@@ -17,8 +17,10 @@ caching allocator rounds every request up to a power of two (a 64 GiB request pi
 is already in the pool where it is.
 
 The SSD tier is one file, ``<ssd_dir>/tierflow-<pid>-<random>/swap``, in a directory of
-mode 0700 with the file at 0600, pre-allocated with ``posix_fallocate`` (so "disk
-full" is found at start, not mid-step), opened with ``O_DIRECT`` where the filesystem
+mode 0700 with the file at 0600, allocated with ``posix_fallocate`` (so "disk full"
+is found when space is taken, not mid-write): at its size at start, and by default
+extended the same way as evictions or the plan need more, up to :func:`disk_bound`
+(``offload(ssd_bytes=...)`` fixes its size). It is opened with ``O_DIRECT`` where the filesystem
 accepts it (page cache bypassed: the host's memory is the host tier's, not the page
 cache's), read and written by a small thread pool. ``O_DIRECT`` needs block-aligned
 buffers, offsets and lengths, so every transfer goes through a page-aligned *bounce*
