@@ -270,10 +270,44 @@ def test_default_pool_grows_and_training_is_bitwise_plain(name, share):
     assert_training_equal(got, _train(CASES[name], steps))
 
 
-def test_explicit_host_bytes_is_a_fixed_pool(tmp_path):
-    stats = _train(_mlp, 4, budget="30%", host_bytes="2MiB", ssd_dir=str(tmp_path))[4]
+def test_pool_is_grown_to_the_plan_s_layout_at_planning():
+    # save_on_cpu: a planned plan (every saved activation to the host), laid out ahead
+    model, make_batch, loss_fn = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sizes = []
+    with offload(model, opt, budget="30%", policy="save_on_cpu") as run:
+        for i in range(5):
+            x, y = make_batch(i)
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sizes.append((run.stats.replans, run.stats.planned_steps, run._host.chunk_sizes))
+    planned_at = next(i for i, (replans, _, _) in enumerate(sizes) if replans)
+    assert sizes[planned_at][1] == 0  # (the plan was made, not yet followed)
+    span, largest = run._layout_need["host"]
+    assert span > _old_default_pool(model) and sum(sizes[planned_at][2]) >= span
+    assert max(sizes[planned_at][2]) >= largest
+    # grown before the first planned iteration: the planned ones add no chunk
+    assert all(c == sizes[planned_at][2] for _, _, c in sizes[planned_at:])
+    assert run.stats.planned_steps >= 3 and run.stats.planned_slots > 0
+    assert run.stats.host_pool_bytes == sum(sizes[-1][2])
+
+
+def test_explicit_host_bytes_is_a_fixed_pool_and_the_ssd_file_grows(tmp_path):
+    got = _train(_mlp, 4, budget="30%", host_bytes="2MiB", ssd_dir=str(tmp_path))
+    stats = got[4]
     assert stats.host_pool_bytes == 2 * MiB and stats.host_pool_peak <= 2 * MiB
-    assert stats.tier_fallbacks > 0 or stats.planned_steps >= 1
+    # the file starts at its old default size (too small here) and grows
+    assert stats.ssd_file_bytes > _old_default_pool(got[0]) and stats.planned_steps >= 1
+    assert_training_equal(got, _train(_mlp, 4))
+
+
+def test_fixed_tiers_too_small_fail_at_planning_naming_both(tmp_path):
+    with pytest.raises(OffloadError) as err:
+        _train(_mlp, 4, budget="30%", host_bytes="2MiB", ssd_dir=str(tmp_path), ssd_bytes="8MiB")
+    msg = str(err.value)
+    assert "\n" not in msg and "fixed at 2.00 MiB" in msg and "SSD file may grow to 8.00 MiB" in msg
+    assert "a larger ssd_bytes, a larger host_bytes, or a larger budget" in msg
 
 
 # -- the host cannot hold the plan ---------------------------------------------------------
@@ -294,8 +328,9 @@ def test_host_too_small_fails_at_planning_with_state_intact(monkeypatch):
                 done += 1
     msg = str(err.value)
     assert "\n" not in msg
-    assert "host pool" in msg and "ssd_dir=" in msg and "larger budget" in msg
-    assert f"({4 * MiB} bytes)" in msg  # what the host has for it
+    assert "needs at least" in msg and "off the device" in msg
+    assert f"the host has 4.00 MiB ({4 * MiB} bytes)" in msg  # what the host has for it
+    assert msg.endswith("pass ssd_dir= for an SSD tier, or a larger budget")
     assert run.stats.planned_steps == 0
     # the failing step (the profiled one: AdamW's first step is a warm-up) had finished
     # its update when planning failed; nothing else was touched, nothing left off-device
@@ -312,3 +347,31 @@ def test_host_too_small_trains_with_an_ssd(monkeypatch, tmp_path):
     got = _train(_mlp, 4, budget="30%", ssd_dir=str(tmp_path))
     assert got[4].host_pool_bytes <= 4 * MiB and got[4].planned_steps >= 1
     assert_training_equal(got, _train(_mlp, 4))
+
+
+def test_planned_plan_over_the_host_fails_at_planning(monkeypatch):
+    # a plan made for a bigger host than this one (a callable policy may plan for any
+    # machine): its layout does not fit the pool, found before it is followed
+    from tierflow.policies import make_plan
+
+    monkeypatch.setattr(tiers, "host_memory_bound", lambda: 4 * MiB)
+
+    def for_a_big_host(trace, hw, budget):
+        return make_plan("save_on_cpu", trace, hw.with_tier("host", capacity=float(1 << 40)), budget=budget)
+
+    model, make_batch, loss_fn = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(OffloadError, match=r"^offload: save_on_cpu's plan needs to keep .* \(\d+ bytes\) in the host "
+                       r"pool, but the host has 4.00 MiB .*: pass ssd_dir= for an SSD tier, or a larger budget$"):
+        with offload(model, opt, budget="30%", policy=for_a_big_host) as run:
+            for i in range(4):
+                x, y = make_batch(i)
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    assert run.stats.planned_steps == 0 and run.stats.steps == 2
+    plain = _train(_mlp, 2)
+    for p, q in zip(model.parameters(), plain[0].parameters()):
+        assert torch.equal(p, q)
+        for k, v in plain[1].state[q].items():
+            assert torch.equal(opt.state[p][k], v), k

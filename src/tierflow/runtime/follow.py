@@ -20,6 +20,15 @@ from .errors import OffloadError
 from .storages import AWAY, OWNED, RESIDENT, _Entry
 
 
+def _uncapped(hw: Any) -> Any:
+    """``hw`` with its off-device tiers unbounded: what a plan keeps there is measured,
+    not checked (the runtime's tiers say what they can hold)."""
+    for t in hw.tiers:
+        if t.name != hw.device:
+            hw = hw.with_tier(t.name, capacity=float(1 << 62))
+    return hw
+
+
 class PlanFollowing:
     """The plan follower (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
@@ -125,12 +134,13 @@ class PlanFollowing:
             arenas["ssd"] = self._ssd.arena
         layout: dict[tuple[int, int, str], int] = {}
         self._layout_need = {}  # runtime tier -> (bytes the layout spans, its largest slot)
+        free = _uncapped(hw)  # (a plan over a tier's capacity is laid out too: _fit_tiers says so)
         for tier in hw.offload_tiers:
             rt = self._tier_of(tier)
             if rt not in arenas:
                 continue
             try:
-                problem = from_trace(trace, plan, hw, tier=tier, alignment=arenas[rt].align)
+                problem = from_trace(trace, plan, free, tier=tier, alignment=arenas[rt].align)
             except TierflowError:
                 continue  # a plan the walk rejects: its moves take first-fit slots
             if not problem.buffers:
@@ -177,19 +187,23 @@ class PlanFollowing:
                     "budget, or a larger ssd_bytes")
             self._tiers_sized()
             return
-        what = "the plan keeps" if not plan.reactive else "at least"
+        what = "to keep" if not plan.reactive else "at least"
+        where = "in the host pool" if not plan.reactive else "off the device"
         if pool.fixed:
-            room, fix = f"the host pool is fixed at {fmt_bytes(pool.limit)} (host_bytes)", "a larger host_bytes"
+            room = f"the host pool is fixed at {fmt_bytes(pool.limit)} ({pool.limit} bytes, host_bytes)"
         else:
             room = (f"the host has {fmt_bytes(pool.limit)} ({pool.limit} bytes) for it (its available "
                     f"memory less {tiers.HOST_MARGIN:.0%})")
-            fix = "a larger budget"
+        fixes = ["ssd_dir= for an SSD tier"] if ssd is None else []
         if ssd is not None:
-            room += f" and the SSD file {fmt_bytes(ssd.limit)}"
+            room += f" and the SSD file may grow to {fmt_bytes(ssd.limit)}"
+            fixes.append("a larger ssd_bytes" if ssd.fixed else f"more free space in {self._ssd_dir}")
+        if pool.fixed:
+            fixes.append("a larger host_bytes")
+        fixes.append("a larger budget")
         raise OffloadError(
-            f"offload: {plan.policy}'s plan needs {what} {fmt_bytes(need)} ({need} bytes) in the host pool, "
-            f"but {room}: " + ("pass ssd_dir= for an SSD tier, or " if ssd is None else "free disk space, or pass ")
-            + fix
+            f"offload: {plan.policy}'s plan needs {what} {fmt_bytes(need)} ({need} bytes) {where}, "
+            f"but {room}: pass {', '.join(fixes[:-1])}, or {fixes[-1]}"
         )
 
     def _tier_limits(self) -> tuple[int, int]:
@@ -211,7 +225,7 @@ class PlanFollowing:
         from ..plan import validate
 
         try:
-            residency = validate(plan, trace, self.hardware)
+            residency = validate(plan, trace, _uncapped(self.hardware))
         except TierflowError:
             return 0
         hosts = [t.name for t in self.hardware.tiers if t.name != self.hardware.device
