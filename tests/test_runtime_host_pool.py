@@ -182,6 +182,27 @@ def test_pinned_bytes_are_the_chunks_exactly(monkeypatch):
     assert HostPool(100 * MiB, pin=False, fixed=True).pinned_bytes == 0
 
 
+def test_a_host_that_refuses_memory_stops_the_pool_cleanly(monkeypatch):
+    real_empty = torch.empty
+    calls = []
+
+    def refuse_after_two(n, dtype=None, pin_memory=False):
+        calls.append(n)
+        if len(calls) > 2:
+            raise RuntimeError("out of memory (test)")
+        return real_empty(n, dtype=dtype)
+
+    monkeypatch.setattr(tiers.torch, "empty", refuse_after_two)
+    pool = HostPool(1 << 30, pin=False)
+    assert pool.grow(PAGE) and pool.grow(PAGE)
+    assert not pool.grow(PAGE)  # refused: nothing added, and the pool stops growing
+    assert pool.capacity == sum(pool.chunk_sizes) == 2 * MiB and pool.limit == pool.capacity
+    assert not pool.grow(PAGE) and len(calls) == 3
+    calls.clear()
+    with pytest.raises(OffloadError, match=r"cannot allocate 200.00 MiB .* pass a smaller host_bytes"):
+        HostPool(200 * MiB, pin=False, fixed=True)
+
+
 def test_host_bound_is_available_memory_less_the_margin(monkeypatch):
     monkeypatch.setattr(tiers, "host_available_bytes", lambda: 1000 * MiB)
     assert tiers.host_memory_bound() == int(1000 * MiB * (1 - tiers.HOST_MARGIN)) // PAGE * PAGE

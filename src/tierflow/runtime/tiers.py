@@ -232,12 +232,16 @@ class HostPool:
         if fixed:
             # the fixed size as powers of two: whole chunks, then the rest's binary digits
             left = self.limit
-            while left >= CHUNK_BYTES:
-                self._add(CHUNK_BYTES)
-                left -= CHUNK_BYTES
-            for bit in reversed(range(CHUNK_BYTES.bit_length())):
-                if left & (1 << bit):
-                    self._add(1 << bit)
+            sizes = [CHUNK_BYTES] * (left // CHUNK_BYTES)
+            sizes += [1 << bit for bit in reversed(range(CHUNK_BYTES.bit_length())) if left % CHUNK_BYTES & (1 << bit)]
+            for size in sizes:
+                if not self._add(size):
+                    break
+            if self.capacity < self.limit:
+                raise OffloadError(
+                    f"host pool: cannot allocate {fmt_bytes(self.limit)} ({self.limit} bytes, host_bytes) of "
+                    f"{'pinned' if self.pin else 'host'} memory, {fmt_bytes(self.capacity)} taken: pass a smaller "
+                    "host_bytes, or none (the pool then grows as needed)")
 
     @property
     def capacity(self) -> int:
@@ -252,18 +256,23 @@ class HostPool:
     def chunk_sizes(self) -> list[int]:
         return [int(c.numel()) for c in self._chunks]
 
-    def _add(self, size: int) -> None:
-        if self.pin:
-            raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            chunk = raw
-        else:
-            raw = torch.empty(size + PAGE, dtype=torch.uint8)
-            skew = (-raw.data_ptr()) % PAGE
-            chunk = raw[skew : skew + size]
+    def _add(self, size: int) -> bool:
+        """Allocate a chunk of ``size`` bytes; False where the host refuses (nothing added)."""
+        try:
+            if self.pin:
+                raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                chunk = raw
+            else:
+                raw = torch.empty(size + PAGE, dtype=torch.uint8)
+                skew = (-raw.data_ptr()) % PAGE
+                chunk = raw[skew : skew + size]
+        except RuntimeError:  # (out of host memory, or of what may be page-locked)
+            return False
         self._bases.append(self.arena.add_chunk(size))
         self._chunks.append(chunk)
         self._ptrs.append(chunk.data_ptr())
         self._raws.append(raw)
+        return True
 
     def chunk_for(self, nbytes: int) -> int:
         """The size of the chunk :meth:`grow` would add for a slot of ``nbytes``: a power of
@@ -280,8 +289,13 @@ class HostPool:
             return False
         for size in (self.chunk_for(nbytes), _pow2_at_least(_round_up(max(int(nbytes), 1), PAGE))):
             if self.capacity + size <= self.limit:
-                self._add(size)
-                return True
+                if self._add(size):
+                    return True
+                # NOTE: the host refused memory the bound said it had (another process
+                # took it since): the pool stops growing here, so evictions spill to the
+                # SSD tier or fail with "host pool full" instead of retrying each time
+                self.limit = self.capacity
+                return False
         return False
 
     def reserve(self, nbytes: int, largest: int = 0) -> bool:
