@@ -473,3 +473,47 @@ def test_rehint_repair_hints_a_fault_after_an_eviction_hint(gpt):
         if checked == 2:
             break
     assert checked, "no prefetch hint to re-evict on this trace"
+
+
+def _zero_peer_case():
+    """A lever trace at 70% where the ZeRO peers plan host steps (gigabyte tensors: the
+    peers' 2 GB gradient bucket must fit the budget)."""
+    from helpers import lever_trace
+
+    sizes = [40, 80, 40, 80, 40, 80, 10, 30, 30, 30, 30, 30, 30, 5, 40, 20, 40, 20, 40, 20]
+    trace = lever_trace(3, [100 * s for s in sizes], [5] * 13)
+    return trace, load_hardware("h100-80g-pcie5-nvme"), int(trace.peak_live_bytes * 0.7)
+
+
+def test_peers_needing_host_compute_are_skipped_where_the_machine_has_none():
+    # the runtime plans for CUDA without host compute (host steps off by default there),
+    # but ZeRO-Offload's plan steps on the host whatever the machine: not a candidate
+    import dataclasses
+
+    from tierflow.policies import PolicyOptions, get_policy
+
+    trace, hw, budget = _zero_peer_case()
+    hw = dataclasses.replace(hw, host_compute=None)
+    assert get_policy("zero_offload")(trace, hw, PolicyOptions(budget, 0)).host_steps
+    plan = make_plan("tierflow", trace, hw, budget=budget)
+    assert not plan.host_steps
+    assert not {"zero_offload", "zero_offload+checkpoint", "zero_infinity"} & set(plan.meta["peer_scores"])
+    assert simulate(trace, hw, plan).fits
+
+
+def test_peer_whose_simulation_fails_is_skipped(monkeypatch):
+    from tierflow.errors import SimulationError
+    from tierflow.policies import _joint
+
+    trace, hw, budget = _zero_peer_case()
+    real = _joint.simulate_score
+
+    def refuse_host_steps(trace, hw, plan):
+        if plan.host_steps and plan.policy.startswith("zero"):
+            raise SimulationError("test: this peer cannot be simulated")
+        return real(trace, hw, plan)
+
+    monkeypatch.setattr(_joint, "simulate_score", refuse_host_steps)
+    plan = make_plan("tierflow", trace, hw, budget=budget)
+    assert not plan.policy.startswith("zero") and plan.meta["seed"] not in ("zero_offload", "zero_infinity")
+    assert not {"zero_offload", "zero_offload+checkpoint", "zero_infinity"} & set(plan.meta["peer_scores"])

@@ -312,8 +312,13 @@ _PEERS = ("checkpoint", "selective", "save_on_cpu", "offload_activations", "zero
 
 
 def _peer_seeds(trace: Trace, hw: Hardware, options: PolicyOptions):
-    """(name, plan, simulated step) of each peer policy present that can plan here."""
-    from ..errors import PolicyError
+    """(name, plan, simulated step) of each peer policy present that can plan here.
+
+    A peer that cannot plan, or whose plan this machine cannot run, is no candidate: its
+    plan's host steps where the hardware has no host compute model (the runtime removes
+    it on CUDA, where host steps are off by default, but the ZeRO peers step on the host
+    by construction), or a plan the simulator refuses."""
+    from ..errors import PolicyError, SimulationError
     from . import get_policy, policy_names
 
     present = set(policy_names())
@@ -324,4 +329,10 @@ def _peer_seeds(trace: Trace, hw: Hardware, options: PolicyOptions):
             plan = get_policy(name)(trace, hw, PolicyOptions(options.budget_bytes, options.seed))
         except (PlanError, PolicyError):
             continue
-        yield name, plan, simulate_score(trace, hw, plan)[0]
+        if plan.host_steps and hw.host_compute is None:
+            continue
+        try:
+            score = simulate_score(trace, hw, plan)[0]
+        except SimulationError:
+            continue
+        yield name, plan, score

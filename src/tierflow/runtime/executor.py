@@ -67,6 +67,7 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
 from ..units import parse_bytes
+from . import tiers
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .host_step import HostSteps
@@ -253,24 +254,35 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def __enter__(self) -> Run:
         model_bytes = sum(_storage_bytes(t) for t in self._state_tensors())
-        # Default pool sizes: weights, gradients and two Adam moments, plus the budget's
-        # worth of activations. Enough for every plan whose host tier fits these sizes (the
-        # planner is told them); pass host_bytes/ssd_bytes to trade memory for spilling.
-        default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
-        host = parse_bytes(self._host_bytes) if self._host_bytes is not None else default
-        self._host = HostPool(host, pin=self.device.type == "cuda")
+        # The host pool: host_bytes, a fixed size allocated now; by default it grows by
+        # chunks as evictions need room, and after planning to the plan's host peak, up
+        # to the host's available memory less a margin (the planner is told that bound).
+        pin = self.device.type == "cuda"
+        if self._host_bytes is not None:
+            self._host = HostPool(parse_bytes(self._host_bytes), pin=pin, fixed=True)
+        else:
+            # NOTE: ranks on one host (torchrun sets LOCAL_WORLD_SIZE) share its memory
+            bound = tiers.host_memory_bound() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+            if not self._cuda and math.isfinite(self.budget):
+                # NOTE: in CPU mode the "device" is host RAM too: what the iteration keeps
+                # there (up to the budget) beyond the model state, already allocated, is
+                # not the pool's to take
+                bound -= max(int(self.budget) - model_bytes, 0)
+            self._host = HostPool(max(bound, 0), pin=pin)
         self._memmove = self.device.type == "cpu"  # (moves.Moves: host moves by memmove)
-        self._host_base = self._host.buffer.data_ptr()
         self._ssd: SSDStore | None = None
         if self._ssd_dir is not None:
+            # the SSD file's default: weights, gradients and two Adam moments, plus the
+            # budget's worth of activations
+            default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
             cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default
+            # (ssd_bytes: a fixed size; by default the file starts there and grows, up to
+            # the disk's free space less a margin)
+            limit = None if self._ssd_bytes is not None else tiers.disk_bound(self._ssd_dir)
             self._ssd = SSDStore(self._ssd_dir, cap, bounce_bytes=min(max(cap // 4, 16 << 20), 256 << 20),
-                                 workers=self._io_workers, pin=self.device.type == "cuda")
-        self.stats.host_pool_bytes = self._host.capacity
-        self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd else 0
+                                 workers=self._io_workers, pin=self.device.type == "cuda", limit=limit)
         self.stats.ssd_bounce_bytes = self._ssd.bounce.capacity if self._ssd else 0
-        self.stats.pinned_bytes = (self._host.capacity if self.device.type == "cuda" else 0) + (
-            self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
+        self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes)
         self._copier = Copier(self.device)
         self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
         self._entries: dict[int, _Entry] = {}
@@ -385,6 +397,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._sync.close()
                 self._sync = None
             self.stats.host_pool_peak = self._host.arena.peak
+            self._tiers_sized()
             self._host.close()
             if self._ssd is not None:
                 self._ssd.close()
@@ -967,10 +980,16 @@ def offload(
             :class:`Hardware` (CUDA default: ``h100-80g-pcie5-nvme`` with the real
             device's capacity; CPU default: RAM as device and host with the measured
             copy bandwidth, an NVMe-class SSD).
-        host_bytes: the pinned host pool's size (default four times the model state
-            plus the budget, bounded by eight times the model state, plus 16 MiB).
-            Pinned memory is not swappable: too much starves the host.
-        ssd_bytes: the SSD file's size (same default), allocated up front.
+        host_bytes: a fixed size for the (pinned, on CUDA) host pool, allocated up
+            front and never grown. Default: the pool starts empty, grows by chunks as
+            evictions need room and, after planning, to what the plan keeps on the host,
+            up to the host memory available when the block opens less 10% (the host
+            capacity the planner is told). Pinned memory is not swappable: too much
+            starves the host.
+        ssd_bytes: a fixed size for the SSD file, allocated up front. Default: it starts
+            at four times the model state plus the budget (capped at four times the
+            model state) plus 16 MiB and grows as needed, up to the disk's free space
+            less 10%.
         io_workers: SSD I/O threads (2: enough to keep one NVMe busy from Python).
         policy_options: extra options for the policy (``lookahead`` for deepum, ...).
         sync_ranks: under ``torch.distributed`` with more than one rank (DDP, FSDP2:
@@ -1000,7 +1019,9 @@ def offload(
     Raises:
         BudgetError: the budget is below the minimum working set.
         SSDError: the SSD file cannot be created (filesystem full) or I/O failed.
-        OffloadError: the host pool is full and there is no SSD to spill to.
+        OffloadError: the host pool is full and there is no SSD to spill to; raised at
+            planning (after the profiled step) where the plan needs more host memory
+            than the pool may hold.
         RankMismatchError: (an ``OffloadError``) the ranks profiled different iterations
             or made different plans; raised on every rank.
 

@@ -14,7 +14,19 @@ import numpy as np
 
 from ..errors import TierflowError
 from ..trace import Trace
+from ..units import fmt_bytes
+from . import tiers
+from .errors import OffloadError
 from .storages import AWAY, OWNED, RESIDENT, _Entry
+
+
+def _uncapped(hw: Any) -> Any:
+    """``hw`` with its off-device tiers unbounded: what a plan keeps there is measured,
+    not checked (the runtime's tiers say what they can hold)."""
+    for t in hw.tiers:
+        if t.name != hw.device:
+            hw = hw.with_tier(t.name, capacity=float(1 << 62))
+    return hw
 
 
 class PlanFollowing:
@@ -140,20 +152,109 @@ class PlanFollowing:
         if self._ssd is not None:
             arenas["ssd"] = self._ssd.arena
         layout: dict[tuple[int, int, str], int] = {}
+        self._layout_need = {}  # runtime tier -> (bytes the layout spans, its largest slot)
+        free = _uncapped(hw)  # (a plan over a tier's capacity is laid out too: _fit_tiers says so)
         for tier in hw.offload_tiers:
             rt = self._tier_of(tier)
             if rt not in arenas:
                 continue
             try:
-                problem = from_trace(trace, plan, hw, tier=tier, alignment=arenas[rt].align)
+                problem = from_trace(trace, plan, free, tier=tier, alignment=arenas[rt].align)
             except TierflowError:
                 continue  # a plan the walk rejects: its moves take first-fit slots
             if not problem.buffers:
                 continue
             sol = solve(problem, "greedy")
+            span, largest = self._layout_need.get(rt, (0, 0))
             for b, off in zip(problem.buffers, sol.offsets.tolist()):
                 layout[(int(b.id.split(".")[0]), b.lower, rt)] = int(off)
+                span, largest = max(span, int(off) + b.size), max(largest, b.size)
+            self._layout_need[rt] = (span, largest)
         return layout
+
+    def _fit_tiers(self, trace: Trace, plan: Any) -> None:
+        """Make the tiers hold what the plan needs there before the first iteration that
+        follows it: a planned plan, its layout's span in the host pool and the SSD file
+        (grown to now); a reactive one, at least what must leave the device at the
+        iteration's peak (the pool grows as it evicts). A need above what the tiers may
+        grow to raises :class:`OffloadError` here, at planning, with the model and
+        optimizer whole (planning runs after the profiled step has finished).
+
+        Raises:
+            OffloadError: the host pool (and the SSD file, where there is one) cannot hold
+                what the plan needs.
+        """
+        pool, ssd = self._host, self._ssd
+        layout = getattr(self, "_layout_need", {})
+        if plan.reactive:
+            need = int(trace.peak_live_bytes - self.budget) if math.isfinite(self.budget) else 0
+            largest, ssd_need = 0, 0
+            fits = need <= pool.limit + (ssd.limit if ssd is not None else 0)
+        else:
+            need, largest = layout.get("host", (0, 0))
+            need = max(need, self._planned_host_bytes(trace, plan))
+            ssd_need = layout.get("ssd", (0, 0))[0]
+            # (what the host cannot hold spills to an SSD tier, where there is one)
+            fits = need <= pool.limit or ssd is not None
+        if fits:
+            if need <= pool.limit and not pool.fixed:
+                pool.reserve(need, largest)
+            if ssd is not None and ssd_need > ssd.capacity and not ssd.reserve(ssd_need):
+                raise OffloadError(
+                    f"offload: {plan.policy}'s plan needs {fmt_bytes(ssd_need)} ({ssd_need} bytes) in the SSD file, "
+                    f"but it may grow to {fmt_bytes(ssd.limit)} in {ssd.dir}: free space there, pass a larger "
+                    "budget, or a larger ssd_bytes")
+            self._tiers_sized()
+            return
+        what = "to keep" if not plan.reactive else "at least"
+        where = "in the host pool" if not plan.reactive else "off the device"
+        if pool.fixed:
+            room = f"the host pool is fixed at {fmt_bytes(pool.limit)} ({pool.limit} bytes, host_bytes)"
+        else:
+            room = (f"the host has {fmt_bytes(pool.limit)} ({pool.limit} bytes) for it (its available "
+                    f"memory less {tiers.HOST_MARGIN:.0%})")
+        fixes = ["ssd_dir= for an SSD tier"] if ssd is None else []
+        if ssd is not None:
+            room += f" and the SSD file may grow to {fmt_bytes(ssd.limit)}"
+            fixes.append("a larger ssd_bytes" if ssd.fixed else f"more free space in {self._ssd_dir}")
+        if pool.fixed:
+            fixes.append("a larger host_bytes")
+        fixes.append("a larger budget")
+        raise OffloadError(
+            f"offload: {plan.policy}'s plan needs {what} {fmt_bytes(need)} ({need} bytes) {where}, "
+            f"but {room}: pass {', '.join(fixes[:-1])}, or {fixes[-1]}"
+        )
+
+    def _tier_limits(self) -> tuple[int, int]:
+        """The most the host pool and the SSD file may hold: the capacities the planner
+        is told. Under several ranks, the smallest any rank has (every rank keeps to it):
+        the ranks plan for one machine, and each measured its free memory at its own
+        moment."""
+        pool, ssd = self._host, self._ssd
+        if self._sync is not None:
+            pool.limit = int(self._sync.min(pool.limit))
+            if ssd is not None:
+                ssd.limit = max(ssd.capacity, int(self._sync.min(ssd.limit)))
+        return pool.limit, (ssd.limit if ssd is not None else 0)
+
+    def _planned_host_bytes(self, trace: Trace, plan: Any) -> int:
+        """The most bytes a planned plan keeps on its host tiers at once, by the
+        validator's residency, less its host steps' buffers (those live beside the
+        pool: runtime/host_step.py). 0 where the plan does not validate."""
+        from ..plan import validate
+
+        try:
+            residency = validate(plan, trace, _uncapped(self.hardware))
+        except TierflowError:
+            return 0
+        hosts = [t.name for t in self.hardware.tiers if t.name != self.hardware.device
+                 and self._tier_of(t.name) == "host" and t.name in residency.tier_bytes]
+        if not hosts:
+            return 0
+        held = sum(sum(trace.tensors[s].bytes for s in h.state) + trace.tensors[h.grad].bytes
+                   + trace.tensors[h.param].bytes for h in plan.host_steps if h.tier in hosts)
+        peak = int(np.sum([residency.tier_bytes[t] for t in hosts], axis=0).max()) if trace.n_ops else 0
+        return max(peak - held, 0)
 
     def _tier_of(self, name: str | None) -> str:
         """The runtime tier (``host`` or ``ssd``) for a plan's tier name."""

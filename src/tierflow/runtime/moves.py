@@ -72,6 +72,21 @@ class Moves:
         if self._leaving:
             self._retire_leaving(need)
 
+    def _grow_host(self, nbytes: int) -> bool:
+        """Add a chunk to the host pool for a slot of ``nbytes`` (False where the pool is
+        fixed or at its limit); the stats follow the pool's size."""
+        if not self._host.grow(nbytes):
+            return False
+        self._tiers_sized()
+        return True
+
+    def _tiers_sized(self) -> None:
+        """The stats of the tiers' sizes, as they are now (both may grow)."""
+        self.stats.host_pool_bytes = self._host.capacity
+        self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd is not None else 0
+        self.stats.pinned_bytes = self._host.pinned_bytes + (
+            self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
+
     def _leave(self, ev: object, n: int) -> None:
         """A storage of ``n`` device bytes was shrunk while the copy ``ev`` still reads
         them. NOTE: on CUDA the caching allocator keeps the block from reuse until the
@@ -128,11 +143,17 @@ class Moves:
             if off is None:
                 self._wait_for_transfers("pool full")
                 off = self._host.arena.alloc(n)
+            if off is None and self._grow_host(n):
+                off = self._host.arena.alloc(n)
             if off is None:
                 if self._ssd is None:
+                    pool = self._host
+                    fix = ("pass a larger host_bytes, or an ssd_dir to spill to" if pool.fixed else
+                           f"the pool may grow to {fmt_bytes(pool.limit)}, the host's available memory less "
+                           "a margin: pass an ssd_dir to spill to, or a larger budget")
                     raise OffloadError(
-                        f"host pool full: {e.label} needs {fmt_bytes(n)}, {fmt_bytes(self._host.arena.free)} free "
-                        f"of {fmt_bytes(self._host.capacity)} (pass a larger host_bytes, or an ssd_dir to spill to)"
+                        f"host pool full: {e.label} needs {fmt_bytes(n)}, {fmt_bytes(pool.arena.free)} free "
+                        f"of {fmt_bytes(pool.capacity)} ({fix})"
                     )
                 tier = "ssd"
                 self.stats.tier_fallbacks += 1
@@ -140,7 +161,7 @@ class Moves:
             self._copier.wait(e.arrival)
             e.arrival = None
         if tier == "host" and self._memmove:
-            ctypes.memmove(self._host_base + off, st.data_ptr(), n)
+            ctypes.memmove(self._host.address(off), st.data_ptr(), n)
             e.slot = off
         elif tier == "host":
             src = _u8(st, n)
@@ -274,7 +295,7 @@ class Moves:
             return
         if e.tier == "host" and self._memmove:
             st.resize_(n)
-            ctypes.memmove(st.data_ptr(), self._host_base + e.slot, n)
+            ctypes.memmove(st.data_ptr(), self._host.address(e.slot), n)
             self._host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
             ev = None
         elif e.tier == "host":

@@ -292,12 +292,13 @@ class Profiling:
             hw = base.with_tier(base.device, capacity=cap)
             if self._hardware_arg is None:
                 hw = self._measured_links(hw)
+            host_cap, ssd_cap = self._tier_limits()
             host = next((t.name for t in hw.tiers if t.kind == "host"), None)
             if host is not None:
-                hw = hw.with_tier(host, capacity=float(self._host.capacity))
+                hw = hw.with_tier(host, capacity=float(host_cap))
             for t in hw.tiers:
                 if t.kind == "ssd":
-                    hw = hw.with_tier(t.name, capacity=float(self._ssd.capacity if self._ssd else 0))
+                    hw = hw.with_tier(t.name, capacity=float(ssd_cap))
             return hw
         if self._hardware_arg is not None:
             return load_hardware(self._hardware_arg)
@@ -305,12 +306,13 @@ class Profiling:
         total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         if self._sync is not None:
             total = self._sync.min(total)
+        host_cap, ssd_cap = self._tier_limits()
         tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
-                 Tier("host", "host", float(self._host.capacity))]
+                 Tier("host", "host", float(host_cap))]
         links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
         if self._ssd is not None:
             # NVMe-class rates; the runtime's own transfers are what stats report
-            tiers.append(Tier("ssd", "ssd", float(self._ssd.capacity), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
+            tiers.append(Tier("ssd", "ssd", float(ssd_cap), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
             links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
         host = _host_optimizer_rate()
         if self._move_s is None:
@@ -474,6 +476,7 @@ class Profiling:
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
         self._layout = self._plan_layout(trace, plan, hw)
+        self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
         sigs = self._trace_sigs_next
         self._n_ops, self._n_tensors = len(sigs), trace.n_tensors

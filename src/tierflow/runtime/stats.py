@@ -54,7 +54,8 @@ class RunStats:
         predicted_step_time_s: the simulator's step time for the current plan.
         ideal_step_time_s: the trace's sum of op times (no transfers).
         policy: the policy that made the current plan.
-        host_pool_bytes, ssd_file_bytes: the tiers' pre-allocated sizes.
+        host_pool_bytes, ssd_file_bytes: the tiers' sizes (allocated; at the end of the run,
+            the most they grew to).
         ssd_bounce_bytes: the SSD tier's host staging buffer (transfers in flight).
         recomputed_ops: ops re-run by recompute chains; recompute_s: seconds spent
             re-running them (and copying the re-made bytes back).
