@@ -187,7 +187,8 @@ class PlanFollowing:
         pool, ssd = self._host, self._ssd
         layout = getattr(self, "_layout_need", {})
         if plan.reactive:
-            need = int(trace.peak_live_bytes - self.budget) if math.isfinite(self.budget) else 0
+            room = plan.budget_bytes if math.isfinite(plan.budget_bytes) else self.budget  # (less what the loop holds)
+            need = int(trace.peak_live_bytes - room) if math.isfinite(room) else 0
             largest, ssd_need = 0, 0
             fits = need <= pool.limit + (ssd.limit if ssd is not None else 0)
         else:
