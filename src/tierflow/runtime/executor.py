@@ -52,6 +52,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -150,6 +151,11 @@ def _dispatch(self, func, types, args=(), kwargs=None):
         run = self.run
         if run._quiet:  # an op of our own, from a hook or from planning: not the user's
             return func(*args, **(kwargs or {}))
+        if prior is not None:
+            # NOTE: Dynamo's frame hook is set only while torch.compile'd code runs; an op
+            # reaching us with it set is an op of a compiled region that Dynamo ran eagerly
+            # (it compiles nothing while a non-infra dispatch mode is on the stack)
+            run._ran_eager_under_compile()
         # NOTE: the steady state (an iteration following its plan that still matches its
         # trace, plain tensors) takes the lean path. It needs no _quiet: while a
         # __torch_dispatch__ runs, torch has popped the mode, so the copies and resizes
@@ -859,6 +865,17 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def _phase(self) -> str:
         return "optimizer" if getattr(self, "_in_step", False) else "forward"
+
+    def _ran_eager_under_compile(self) -> None:
+        """An op of a ``torch.compile``'d model or function reached the mode: Dynamo ran
+        that code eagerly (it compiles nothing while a dispatch mode like ours is on the
+        stack). Counted, and said once per run: the user asked for compiled code."""
+        st = self.stats
+        st.compiled_ops_run_eager += 1
+        if st.compiled_ops_run_eager == 1:
+            warnings.warn("tierflow.offload: torch.compile'd code ran eagerly under the runtime (Dynamo compiles "
+                          "nothing while the runtime's dispatch mode is active); "
+                          "run.stats.compiled_ops_run_eager counts its ops", RuntimeWarning, stacklevel=2)
 
     @contextlib.contextmanager
     def untracked(self) -> Iterator[None]:
