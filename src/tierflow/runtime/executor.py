@@ -71,6 +71,7 @@ from ..units import parse_bytes
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .host_step import HostSteps
+from .kernel_times import KernelTimer, mark
 from .moves import Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
@@ -291,6 +292,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._leaving_bytes = 0
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
+        self._kernel_timer: KernelTimer | None = None  # CUDA: the profiled iteration's profiler (kernel_times)
+        self._op_kernel_s: list[float] = []  # CUDA: each recorded op's kernel time, from it
         self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
         self._quiet = False
@@ -360,6 +363,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         errors: list[str] = []
         try:
             self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
+            if self._kernel_timer is not None:  # (and its profiler)
+                self._kernel_timer.close()
+                self._kernel_timer = None
             self._hooks_on()
             self._saved.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
@@ -440,6 +446,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if getattr(self.model, "_has_rebuilt_buckets", None) is False and self._iters_begun < 2:
             self._warmup = True
         self._iters_begun += 1
+        if self._kernel_timer is not None:  # (a profiled iteration that never ended)
+            self._kernel_timer.close()
+        # CUDA: the profiled iteration's op times are its kernels' (kernel_times), if the
+        # torch profiler can run here; the events around each op stay as the fallback
+        self._kernel_timer = KernelTimer.start() if self._recording and self._times_kernels() and not self._warmup else None
         self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
         self._op_events: list[tuple[Any, Any]] = []  # CUDA: (start, end) per recorded op
         self._hook_ops: list[int] = []  # recorded ops our saved-tensor hooks caused (see _unpack)
@@ -615,7 +626,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if timed and self._cuda:  # the op's GPU time: events around it, read at the trace
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
-            out = func(*args, **kwargs)
+            with mark(self._kernel_timer, len(self._rec)):  # (this op's index once recorded)
+                out = func(*args, **kwargs)
             ev1.record()
             dur = 0.0
         else:
@@ -865,6 +877,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def _phase(self) -> str:
         return "optimizer" if getattr(self, "_in_step", False) else "forward"
+
+    def _times_kernels(self) -> bool:
+        """Whether a profiled iteration times its ops by their kernels (CUDA)."""
+        return self._cuda
 
     def _ran_eager_under_compile(self) -> None:
         """An op of a ``torch.compile``'d model or function reached the mode: Dynamo ran
