@@ -286,6 +286,7 @@ def compile_row(w: Workload, frac: float, s: Settings) -> dict[str, Any]:
         step(0)  # (compiles, forward and backward)
         check.sync(s.device)
         compile_s = time.perf_counter() - t0
+        peak.reset()  # (the compiler's own allocations are not the step's; Adam's state, made now, still counts)
         for i in range(1, s.warmup + 1):  # (one more: a recompile on the second call stays out)
             step(i)
         row = {"model": w.name, "config": "compile", "activation_memory_budget": frac, "backend": s.compile_backend,
@@ -531,7 +532,7 @@ def trainer_row(w: Workload, s: Settings, tmp: Path) -> dict[str, Any]:
         """Resets the allocator's peak once the tierflow run has followed a plan."""
 
         def __init__(self, cb: Any):
-            self.cb, self.other, self.armed = cb, None, False
+            self.cb, self.other, self.armed, self.peak = cb, None, False, None
 
         def on_step_end(self, args, state, control, **kw):
             run = self.cb.run
@@ -542,6 +543,12 @@ def trainer_row(w: Workload, s: Settings, tmp: Path) -> dict[str, Any]:
                     if isinstance(v, torch.Tensor) and v.device.type == "cuda")
                 torch.cuda.reset_peak_memory_stats()
                 self.armed = True
+
+        def on_train_end(self, args, state, control, **kw):
+            # (before TierflowCallback's: closing the run brings every tensor home)
+            if self.armed:
+                torch.cuda.synchronize()
+                self.peak = int(torch.cuda.max_memory_allocated()) - self.other
 
     def train(callbacks: list[Any], out: str) -> tuple[list[dict], nn.Module]:
         import transformers
@@ -566,12 +573,10 @@ def trainer_row(w: Workload, s: Settings, tmp: Path) -> dict[str, Any]:
         cb = TierflowCallback(budget="50%")
         pk = PlannedPeak(cb)
         try:
-            log_b, model_b = train([cb, pk], str(tmp / "tierflow"))
+            log_b, model_b = train([pk, cb], str(tmp / "tierflow"))
         finally:
             cb.close()
-    peak = None
-    if _cuda(s) and pk.armed:
-        peak = int(torch.cuda.max_memory_allocated()) - pk.other
+    peak = pk.peak
     keys = ("loss", "grad_norm")
     a = [(h["step"], k, h[k]) for h in log_a for k in keys if k in h]
     bb = [(h["step"], k, h[k]) for h in log_b for k in keys if k in h]
