@@ -4,25 +4,27 @@ device call: ``gpu_check.py --out DIR`` drives it (see gpu_check.py for the comm
 Rows, in this order, so that the most important come first when time runs out (each row
 is skipped, with a note, when the longest row of its kind so far, or its estimate before
 the first, would not finish before ``--time-limit``; the JSON is rewritten after every
-row, so a run cut short still leaves what it measured):
+row, so a run cut short still leaves what it measured). Workloads: the Hugging Face
+GPT-2 built from a config (``GPT2Config(n_layer=24, n_embd=1024, n_head=16)``, eager
+attention, dropout as configured, seeded random token batches 8 x 512,
+``torch.optim.AdamW(model.parameters())``), then the zoo's gpt2-medium, bert-large and
+vit-b16 (``--models``). Each workload's rows come in three parts:
 
-1. the Hugging Face GPT-2 built from a config (``GPT2Config(n_layer=24, n_embd=1024,
-   n_head=16)``, eager attention, dropout as configured, seeded random token batches
-   8 x 512, ``torch.optim.AdamW(model.parameters())``): ``plain``; ``checkpoint``
-   (``model.gradient_checkpointing_enable()``, its peak measured); tierflow with default
-   options and no budget, at the checkpointing peak (bytes), at 50% and 30% (as shares,
-   then as bytes of the plain peak); tierflow's runtime executing ``policy="checkpoint"``
-   at the checkpointing peak; ``save_on_cpu``; parity at 50% and 30% (default options,
-   deterministic settings, bitwise: losses, gradients of every step, parameters,
-   optimizer state); the ``TierflowCallback(budget="50%")`` Trainer row (10 steps, equal
-   to the plain Trainer run);
-2. the same rows (no Trainer) for the zoo's gpt2-medium (checkpointing by the per-block
-   wrapper of gpu_check.py);
-3. ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` swept, for
-   the HF GPT-2 (the fastest setting that fits each memory, its step over compiled
-   plain's);
-4. bert-large and vit-b16 (rows of 2);
-5. the compile sweep for the zoo models.
+* A: ``plain``; ``checkpoint`` (HF: ``model.gradient_checkpointing_enable()``; zoo: the
+  per-block ``torch.utils.checkpoint`` wrapper), its peak measured; tierflow with default
+  options at that peak (bytes), at 50% and at 30% (shares of the profiled peak);
+* B: parity at 50% and 30% (default options, gpu_check's deterministic settings,
+  bitwise: losses, gradients of every step, parameters, optimizer state); for the HF
+  model the ``TierflowCallback(budget="50%")`` Trainer row (10 steps, equal to the
+  plain Trainer run, budget kept over the planned steps);
+* C: tierflow's runtime executing ``policy="checkpoint"`` at the checkpointing peak;
+  tierflow without a budget; at 50% and 30% of the plain peak given as bytes;
+  ``save_on_cpu``.
+
+Order: A for the first two workloads, then B for both, then C for both, then the first
+workload's ``torch.compile`` sweep (``torch._functorch.config.activation_memory_budget``
+at each ``--compile-budgets`` value; the fastest setting that fits each memory, its step
+over compiled plain's), then A, B, C of the other workloads, then their compile sweeps.
 
 Each timed row: the median of ``--steps`` (default 6) steps, each synchronised, after the
 warm-up (tierflow: until one planned step is done). Peaks, CUDA: ``max_memory_allocated``
@@ -109,8 +111,9 @@ def hf_gpt2(dev: torch.device, *, tiny: bool) -> Workload:
         torch.manual_seed(0)
         with dev:
             model = GPT2LMHeadModel(cfg)
-        if model.config._attn_implementation != "eager":
-            raise TierflowError(f"hf-gpt2: attention is {model.config._attn_implementation}, not eager")
+        attn = getattr(model.config, "_attn_implementation", "eager")  # (older transformers: always eager)
+        if attn != "eager":
+            raise TierflowError(f"hf-gpt2: attention is {attn}, not eager")
         model.train()
         return model, torch.optim.AdamW(model.parameters())
 
@@ -557,7 +560,7 @@ def trainer_row(w: Workload, s: Settings, tmp: Path) -> dict[str, Any]:
         transformers.set_seed(0)
         args = TrainingArguments(output_dir=out, report_to=[], use_cpu=not _cuda(s), seed=0, data_seed=0,
                                  max_steps=s.trainer_steps, per_device_train_batch_size=b, logging_steps=1,
-                                 save_strategy="no", eval_strategy="no", disable_tqdm=True,
+                                 save_strategy="no", disable_tqdm=True,
                                  dataloader_num_workers=0)
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
         trainer.remove_callback(PrinterCallback)  # (its log lines would fill the device call's output)
@@ -686,12 +689,12 @@ def _line(r: dict[str, Any]) -> str:
 
 def model_rows(w: Workload, part: str, got: dict[str, Any], s: Settings, guard: Guard, res: Results,
                timelines: Timelines, *, trainer: bool, tmp: Path) -> None:
-    """One workload's rows (not its compile sweep), in two parts so that the first part of
-    the first two workloads runs before the rest: ``A``: plain, checkpoint, tierflow at
-    the checkpointing peak, 50% and 30% (shares), ``policy="checkpoint"`` at the
-    checkpointing peak, parity at 50% and 30%, the Trainer; ``B``: tierflow without a
-    budget, at 50% and 30% as bytes, ``save_on_cpu``. ``got`` keeps plain's and
-    checkpoint's rows between the parts (and for the compile sweep)."""
+    """One part of a workload's rows (not its compile sweep). ``A``: plain, checkpoint,
+    tierflow at the checkpointing peak, 50% and 30% (shares); ``B``: parity at 50% and
+    30%, the Trainer (HF); ``C``: ``policy="checkpoint"`` at the checkpointing peak,
+    tierflow without a budget, at 50% and 30% as bytes, ``save_on_cpu``. ``got`` keeps
+    plain's and checkpoint's rows (what the budgets of the others are made of); a part
+    that needs them runs them first if part A did not."""
     dev = s.device
 
     def row(kind: str, label: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
@@ -699,11 +702,18 @@ def model_rows(w: Workload, part: str, got: dict[str, Any], s: Settings, guard: 
         check.release(dev)
         return r
 
-    if part == "A":
+    if part == "A" or (part == "C" and "peers_tried" not in got):
+        got["peers_tried"] = True
         for config in ("plain", "checkpoint"):
             r = row("peer", config, lambda c=config: peer_row(w, c, s))
             if r is not None:
                 got[config] = r
+    if part == "B":
+        for budget in ("50%", "30%"):
+            row("parity", f"parity {budget}", lambda b=budget: parity_row(w, b, s))
+        if trainer:
+            row("trainer", "trainer", lambda: trainer_row(w, s, tmp))
+        return
     plain, ckpt = got.get("plain"), got.get("checkpoint")
     if plain is None:
         return
@@ -712,10 +722,10 @@ def model_rows(w: Workload, part: str, got: dict[str, Any], s: Settings, guard: 
     ck_peak = int(ckpt["peak_bytes"]) if ckpt is not None else None
     if part == "A":
         budgets = ([("checkpoint peak", ck_peak, None)] if ck_peak else []) + [("50%", "50%", None), ("30%", "30%", None)]
-        budgets += [("checkpoint peak", ck_peak, "checkpoint")] if ck_peak else []
     else:
-        budgets = [("none", None, None), ("50% as bytes", int(0.5 * plain["peak_bytes"]), None),
-                   ("30% as bytes", int(0.3 * plain["peak_bytes"]), None)]
+        budgets = ([("checkpoint peak", ck_peak, "checkpoint")] if ck_peak else []) + [
+            ("none", None, None), ("50% as bytes", int(0.5 * plain["peak_bytes"]), None),
+            ("30% as bytes", int(0.3 * plain["peak_bytes"]), None)]
     for label, budget, policy in budgets:
         r = row("tierflow", f"{label}{' ' + policy if policy else ''}",
                 lambda b=budget, lab=label, pol=policy: tierflow_row(w, lab, b, s, timelines, pol))
@@ -723,12 +733,7 @@ def model_rows(w: Workload, part: str, got: dict[str, Any], s: Settings, guard: 
             r["x_plain"] = r["step_s"] / plain["step_s"]
             if ckpt is not None:
                 r["x_checkpoint"] = r["step_s"] / ckpt["step_s"]
-    if part == "A":
-        for budget in ("50%", "30%"):
-            row("parity", f"parity {budget}", lambda b=budget: parity_row(w, b, s))
-        if trainer:
-            row("trainer", "trainer", lambda: trainer_row(w, s, tmp))
-    else:
+    if part == "C":
         soc = row("peer", "save_on_cpu", lambda: peer_row(w, "save_on_cpu", s))
         if soc is not None:
             soc["x_plain"] = soc["step_s"] / plain["step_s"]
@@ -838,7 +843,8 @@ def run_suite(args: argparse.Namespace) -> int:
     header = {"environment": check.environment(dev), "settings": {
         "models": specs, "timed_steps": s.steps, "warmup": s.warmup, "max_warm": s.max_warm,
         "parity_steps": s.parity_steps, "trainer_steps": s.trainer_steps, "compile_budgets": s.budgets,
-        "compile_backend": s.compile_backend, "time_limit_s": args.time_limit, "argv": sys.argv[1:]}}
+        "compile_backend": s.compile_backend, "parts": args.parts, "time_limit_s": args.time_limit,
+        "argv": sys.argv[1:]}}
     res = Results(out_dir / "gpu_check.json", header, guard)
     timelines = Timelines(out_dir, s.traces, cuda)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
@@ -852,13 +858,14 @@ def run_suite(args: argparse.Namespace) -> int:
                 (_, b, q), = check.parse_models(spec.strip())
                 workloads.append(zoo_model(name, b, q, dev))
         got: dict[str, dict[str, Any]] = {w.name: {} for w in workloads}
-        # the order: part A of the first two workloads, then their part B, the first's
-        # compile sweep, the others' rows, the remaining compile sweeps
+        # the order: each part for the first two workloads in turn (A, B, C), the first's
+        # compile sweep, the others' parts, the remaining compile sweeps
+        parts = [p for p in "ABC" if p in args.parts.upper()]
         first, rest = workloads[:2], workloads[2:]
-        order = [("A", w) for w in first] + [("B", w) for w in first]
+        order = [(p, w) for p in parts for w in first]
         if first and not args.no_compile:
             order.append(("compile", first[0]))
-        order += [(p, w) for w in rest for p in ("A", "B")]
+        order += [(p, w) for w in rest for p in parts]
         if not args.no_compile:
             order += [("compile", w) for w in workloads[1:]]
         for what, w in order:

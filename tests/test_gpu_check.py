@@ -145,9 +145,11 @@ def test_suite_runs_every_row_of_the_hf_model_and_exits_ok(suite):
                    ("tierflow", "50% as bytes"), ("tierflow", "30% as bytes"),
                    ("tierflow policy=checkpoint", "checkpoint peak"),
                    ("parity", "50%"), ("parity", "30%"), ("trainer", "50%")}
-    # part A (the must-have rows) before part B
-    order = [(r["config"], r.get("label")) for r in res["rows"]]
-    assert order.index(("tierflow", "30%")) < order.index(("tierflow", "none"))
+    # part A (peers, tierflow at the checkpointing peak, 50%, 30%), then B (parity, Trainer), then C
+    order = [(r["config"], r.get("label") or r.get("budget_arg")) for r in res["rows"]]
+    assert order.index(("tierflow", "30%")) < order.index(("parity", "50%")) < order.index(("trainer", "50%"))
+    assert order.index(("trainer", "50%")) < order.index(("tierflow policy=checkpoint", "checkpoint peak"))
+    assert order.index(("tierflow", "none")) < order.index(("save_on_cpu", None))
 
 
 @pytest.mark.slow
@@ -198,7 +200,8 @@ def test_suite_skips_what_the_time_limit_leaves_no_room_for_and_still_writes_its
                            "--time-limit", "0.5"])
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 1 and res["done"] is True and res["ok"] is False  # (no parity was run)
-    assert res["rows"] == [] and len(res["skipped"]) == 2  # plain and checkpoint: nothing runs without plain
+    # plain and checkpoint (part A), parity and Trainer (B): nothing else runs without plain
+    assert res["rows"] == [] and len(res["skipped"]) == 5
     assert res["environment"]["device"] == "cpu"
 
 

@@ -215,7 +215,7 @@ class KernelTimer:
         from torch.profiler import ProfilerActivity, profile
 
         enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
-        if torch.autograd.profiler._is_profiler_enabled or (enabled is not None and enabled()):
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", False) or (enabled is not None and enabled()):
             return None
         try:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
