@@ -387,7 +387,11 @@ def tierflow_row(w: Workload, label: str, budget: Any, s: Settings,
             i += s.steps
             if timelines is not None and budget is not None and run.stats.planned_steps >= 1:
                 name = f"{w.name}-{label}-{policy or 'default'}".replace("%", "pct").replace(" ", "-")
-                row["timeline"] = timelines.profile_step(lambda: step(i), name)
+                try:
+                    row["timeline"] = timelines.profile_step(lambda: step(i), name)
+                except Exception as e:  # (the row's measurements stand without it)
+                    traceback.print_exc()
+                    row["timeline"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 tl_peak = peak.read()
             else:
                 tl_peak = None

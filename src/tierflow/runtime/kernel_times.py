@@ -3,8 +3,8 @@ launched, from the torch profiler's CUDA activity, not by CUDA events around it.
 
 Why: events recorded on the compute stream before and after an op measure from the
 first to the second *on the GPU's clock*, so every gap in which the GPU waited for the
-host to launch the op's kernels is in the op's time. On an H100 the profiled step of
-gpt2-medium b4 s512 summed to 250.6 ms of op time against 147 ms for the whole step
+host to launch the op's kernels is in the op's time. On an H100 (gpt2-medium b4 s512,
+no budget) the step predicted from such op times was 250.6 ms against 147 ms measured
 (1.70x): plans were made from launch gaps, not kernels.
 
 How: while the profiled iteration runs, a ``torch.profiler`` session with CPU and CUDA
@@ -220,7 +220,7 @@ class KernelTimer:
         try:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
-        except (RuntimeError, AssertionError, ValueError):
+        except Exception:  # NOTE: a timing aid must never stop training: events instead
             return None
         return cls(prof)
 
@@ -238,15 +238,15 @@ class KernelTimer:
         try:
             prof.__exit__(None, None, None)
             host, device = records(prof.profiler.kineto_results.events())
-        except (RuntimeError, AttributeError):
+            return op_kernel_times(n_ops, host, device)
+        except Exception:  # NOTE: (as in start) another torch's event API, say: events instead
             return None
-        return op_kernel_times(n_ops, host, device)
 
     def close(self) -> None:
         """End the session, if still open, reading nothing (an iteration cut short)."""
         prof, self._prof = self._prof, None
         if prof is not None:
-            with contextlib.suppress(RuntimeError, AttributeError):
+            with contextlib.suppress(Exception):
                 prof.__exit__(None, None, None)
 
 
