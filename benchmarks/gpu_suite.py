@@ -449,16 +449,13 @@ def _state_of(opt: torch.optim.Optimizer) -> list[tuple[int, str, torch.Tensor]]
     return out
 
 
-def _record(w: Workload, n: int, run_ctx: Callable[[nn.Module, torch.optim.Optimizer], Any],
-            on_open: Callable[[Any], None] | None = None) -> dict[str, Any]:
+def _record(w: Workload, n: int, run_ctx: Callable[[nn.Module, torch.optim.Optimizer], Any]) -> dict[str, Any]:
     """``n`` steps of ``w``: each step's loss and gradients (on the host), then the final
     parameters and optimizer state. ``run_ctx`` opens what the steps run under (nothing,
     or tierflow); reading is done inside its ``untracked()`` where it has one."""
     model, opt = w.build()
     losses, grads = [], []
     with run_ctx(model, opt) as run:
-        if on_open is not None:
-            on_open(run)
         aside = run.untracked if run is not None else contextlib.nullcontext
         for i in range(n):
             bt = w.batch(i)
@@ -500,10 +497,8 @@ def parity_row(w: Workload, budget: str, s: Settings) -> dict[str, Any]:
     with check.deterministic(s.device, warned):
         ref = _record(w, s.parity_steps, lambda m, o: contextlib.nullcontext())
         check.release(s.device)
-        holder: dict[str, Any] = {}
         try:
-            got = _record(w, s.parity_steps, lambda m, o: tierflow.offload(m, o, budget=budget),
-                          on_open=lambda run: holder.setdefault("run", run))
+            got = _record(w, s.parity_steps, lambda m, o: tierflow.offload(m, o, budget=budget))
         except TierflowError as e:
             return {"model": w.name, "config": "parity", "budget_arg": budget, "parity": None,
                     "error": f"{type(e).__name__}: {str(e)[:400]}"}
