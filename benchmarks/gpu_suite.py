@@ -803,7 +803,7 @@ def table(rows: list[dict[str, Any]]) -> None:
         err = r.get("error")
         pm = r.get("predicted_over_measured")
         tl = r.get("timeline") or {}
-        lines.append([r["model"], f"{r['config']} {label}".strip()[:34],
+        lines.append([r["model"], f"{r['config']} {label}".strip()[:44],
                       f"{r['step_s'] * 1e3:,.1f}" if "step_s" in r else "-",
                       f"{r['x_plain']:.2f}" if r.get("x_plain") else "-",
                       _mib(r.get("peak_planned_bytes", r.get("peak_bytes"))), _mib(r.get("peak_whole_bytes")),
