@@ -1,6 +1,21 @@
 """One GPU check: does tierflow tell the truth about memory, train bit for bit like
 PyTorch, keep its budget, and how fast is it next to the tools people use today?
 
+How to run (one device call, about 9 minutes on an H100; results, the log and the
+gzipped Chrome traces come back in $OUT)::
+
+    set -o pipefail; PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/gpu_check.py --out $OUT --time-limit 470 2>&1 | tee $OUT/gpu_check.log
+
+(device tool: ``run(command=<that line>, timeout_s=540)``: the guard starts no row it
+expects to end after 470 s, which leaves a row that overruns its estimate, and the
+start, room inside the 9 minutes; rows left out are listed under ``skipped`` and can be
+run in a second call with ``--models``/``--parts``.) ``--out DIR`` runs the rows
+of the GPU-defaults and follow-the-plan issues (benchmarks/gpu_suite.py: the Hugging
+Face GPT-2 from a config, then gpt2-medium, the HF compile sweep, bert-large, vit-b16,
+the zoo compile sweeps; ``DIR/gpu_check.json`` rewritten after every row,
+``DIR/timelines-*.tar``). Its CPU dry run: ``--device cpu --out /tmp/gc`` (tiny models,
+about a minute). Without ``--out`` the sections below run, as before:
+
     PYTHONPATH=src python benchmarks/gpu_check.py                  # CUDA when there is one
     PYTHONPATH=src python benchmarks/gpu_check.py --device cpu     # small models, < 1 min
     ... [--json gpu_check.json] [--models gpt2-medium:4:512,vit-b16:64] [--quick] [--time-limit 480]
@@ -419,11 +434,33 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="gpu_check.json", help="where to write every row (default gpu_check.json)")
-    ap.add_argument("--models", help="name[:batch[:seq]],... (default: three per device)")
+    ap.add_argument("--models", help="name[:batch[:seq]],... (default: three per device; with --out also "
+                    "hf-gpt2, the Hugging Face GPT-2 from a config)")
     ap.add_argument("--quick", action="store_true", help="the first model only, fewer steps")
     ap.add_argument("--steps", type=int, help="timed steps per row (default: cuda 8, cpu 5)")
-    ap.add_argument("--time-limit", type=float, default=480.0, help="seconds; later rows are skipped, with a note")
+    ap.add_argument("--time-limit", type=float, help="seconds; later rows are skipped, with a note "
+                    "(default 480; with --out 470)")
+    ap.add_argument("--out", help="run the issue rows (gpu_suite.py) and write gpu_check.json and the "
+                    "timelines into this directory")
+    ap.add_argument("--traces", type=int, default=4, help="--out: Chrome traces kept (default 4)")
+    ap.add_argument("--compile-budgets", help="--out: activation_memory_budget values to sweep "
+                    "(default cuda 1,0.5,0.3,0.1; cpu 1,0.3)")
+    ap.add_argument("--compile-backend", help="--out: torch.compile backend (default cuda inductor, "
+                    "cpu aot_eager_decomp_partition)")
+    ap.add_argument("--no-compile", action="store_true", help="--out: no torch.compile rows")
+    ap.add_argument("--no-trainer", action="store_true", help="--out: no Trainer row")
+    ap.add_argument("--parts", default="ABC", help="--out: which parts of each model's rows (A: peers and "
+                    "tierflow at the checkpointing peak, 50%%, 30%%; B: parity, Trainer; C: the rest; default ABC)")
     args = ap.parse_args(argv)
+    if args.out:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            ap.error("--device cuda: CUDA is not available")
+        args.time_limit = 470.0 if args.time_limit is None else args.time_limit
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_suite
+
+        return gpu_suite.run_suite(args)
+    args.time_limit = 480.0 if args.time_limit is None else args.time_limit
     dev = torch.device(args.device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -112,3 +112,110 @@ def test_deterministic_context_sets_and_restores_the_flags():
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
     assert torch.are_deterministic_algorithms_enabled() == before and warned == []
+
+
+# -- gpu_check.py --out: the issue rows (benchmarks/gpu_suite.py), CPU dry run ---------------
+def _load_suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gpu_suite = _load_suite()
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    code = gpu_check.main(["--device", "cpu", "--out", str(out), "--models", "hf-gpt2", "--no-compile",
+                           "--steps", "2", "--traces", "1", "--time-limit", "900"])
+    return code, json.loads((out / "gpu_check.json").read_text()), out
+
+
+@pytest.mark.slow
+def test_suite_runs_every_row_of_the_hf_model_and_exits_ok(suite):
+    code, res, _ = suite
+    assert code == 0 and res["ok"] is True and res["done"] is True
+    assert res["skipped"] == [] and res["errors"] == [] and not [r for r in res["rows"] if "error" in r]
+    got = {(r["config"], r.get("label") or r.get("budget_arg")) for r in res["rows"]}
+    assert got == {("plain", None), ("checkpoint", None), ("save_on_cpu", None),
+                   ("tierflow", "none"), ("tierflow", "checkpoint peak"), ("tierflow", "50%"), ("tierflow", "30%"),
+                   ("tierflow", "50% as bytes"), ("tierflow", "30% as bytes"),
+                   ("tierflow policy=checkpoint", "checkpoint peak"),
+                   ("parity", "50%"), ("parity", "30%"), ("trainer", "50%")}
+    # part A (peers, tierflow at the checkpointing peak, 50%, 30%), then B (parity, Trainer), then C
+    order = [(r["config"], r.get("label") or r.get("budget_arg")) for r in res["rows"]]
+    assert order.index(("tierflow", "30%")) < order.index(("parity", "50%")) < order.index(("trainer", "50%"))
+    assert order.index(("trainer", "50%")) < order.index(("tierflow policy=checkpoint", "checkpoint peak"))
+    assert order.index(("tierflow", "none")) < order.index(("save_on_cpu", None))
+
+
+@pytest.mark.slow
+def test_suite_budgets_are_shares_and_bytes_and_kept(suite):
+    rows = suite[1]["rows"]
+    plain = next(r for r in rows if r["config"] == "plain")
+    ckpt = next(r for r in rows if r["config"] == "checkpoint")
+    tf = {(r["config"], r["label"]): r for r in rows if r["config"].startswith("tierflow")}
+    assert tf[("tierflow", "50% as bytes")]["budget_bytes"] == int(0.5 * plain["peak_bytes"])
+    assert tf[("tierflow", "checkpoint peak")]["budget_bytes"] == ckpt["peak_bytes"]
+    assert tf[("tierflow", "30%")]["budget_kind"] == "share" and tf[("tierflow", "30% as bytes")]["budget_kind"] == "bytes"
+    assert tf[("tierflow", "none")]["within"] is None
+    for r in tf.values():
+        assert r["timed_steps"] == 2 and r["planned_steps_timed"] == 2 and r["step_s"] > 0
+        assert r["predicted_step_time_s"] > 0 and r["fetches_per_planned_step"] >= 0
+        if r["budget_arg"] is not None:
+            assert r["within"] is True and 0 < r["peak_planned_bytes"] <= r["budget_bytes"]
+
+
+@pytest.mark.slow
+def test_suite_parity_and_trainer_rows_are_bitwise(suite):
+    rows = suite[1]["rows"]
+    par = [r for r in rows if r["config"] == "parity"]
+    assert len(par) == 2 and all(r["parity"] is True and r["planned_steps"] >= 1 and r["moved_bytes"] > 0 for r in par)
+    tr = next(r for r in rows if r["config"] == "trainer")
+    assert tr["parity"] is True and tr["logs_equal"] and tr["params_equal"] and tr["logged"] >= 4
+    assert tr["within"] is True and tr["planned_steps"] >= 1
+
+
+@pytest.mark.slow
+def test_suite_profiles_one_step_per_budgeted_row_and_keeps_the_first_trace(suite):
+    import gzip
+    import tarfile
+
+    _, res, out = suite
+    budgeted = [r for r in res["rows"] if r["config"].startswith("tierflow") and r["budget_arg"] is not None]
+    assert len(budgeted) == 6 and all(r["timeline"]["window_us"] > 0 for r in budgeted)
+    kept = [r["timeline"]["trace"] for r in budgeted if r["timeline"].get("trace")]
+    assert len(kept) == 1  # --traces 1
+    tar_name, member = kept[0].split(":")
+    with tarfile.open(out / tar_name) as t:
+        trace = json.loads(gzip.decompress(t.extractfile(member).read()))
+    assert any(e.get("name") == gpu_suite.STEP_MARK for e in trace["traceEvents"])
+
+
+def test_suite_skips_what_the_time_limit_leaves_no_room_for_and_still_writes_its_json(tmp_path):
+    code = gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--models", "hf-gpt2", "--no-compile",
+                           "--time-limit", "0.5"])
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 1 and res["done"] is True and res["ok"] is False  # (no parity was run)
+    # plain and checkpoint (part A), parity and Trainer (B): nothing else runs without plain
+    assert res["rows"] == [] and len(res["skipped"]) == 5
+    assert res["environment"]["device"] == "cpu"
+
+
+def test_compile_sweep_reports_the_fastest_setting_that_fits(tmp_path):
+    s = gpu_suite.Settings(torch.device("cpu"), steps=1, warmup=1, max_warm=3, parity_steps=3, trainer_steps=2,
+                           budgets=(1.0, 0.5), compile_backend="eager", traces=0)
+    w = gpu_suite.zoo_model("gpt-tiny", 2, 16, s.device)
+    guard = gpu_suite.Guard(300, {})
+    res = gpu_suite.Results(tmp_path / "r.json", {}, guard)
+    plain = {"step_s": 1.0, "peak_bytes": 10**12}  # (every setting fits)
+    gpu_suite.compile_rows(w, {"plain": plain}, s, guard, res)
+    rows = [r for r in res.rows if r["config"] == "compile"]
+    assert [r["activation_memory_budget"] for r in rows] == [1.0, 0.5] and guard.errors == []
+    assert all(r["step_s"] > 0 and r["peak_bytes"] > 0 and r["compile_s"] > 0 for r in rows)
+    best = res.rows[-1]["fastest_that_fits"]["50%"]
+    assert best["step_s"] == min(r["step_s"] for r in rows)
+    assert json.loads((tmp_path / "r.json").read_text())["rows"][-1]["config"] == "compile best"

@@ -42,7 +42,10 @@ iteration made keep the op pure (see :attr:`tierflow.trace.Op.pure`).
 
 Durations: on ``meta`` nothing runs, so every op is priced by the roofline cost model
 (:mod:`tierflow.capture.cost`) for a hardware preset; on ``cpu`` each op is timed with
-``time.perf_counter`` and on ``cuda`` with CUDA events around it.
+``time.perf_counter``, and on ``cuda`` by the GPU time of the kernels it launched (the
+torch profiler's CUDA activity, matched to the op by
+:mod:`tierflow.runtime.kernel_times`; ``meta["kernel_times"]`` has the check against the
+profiler's totals), or by CUDA events around it where the profiler cannot run.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class _State:
     probe: list[str] | None = None  # op names of a profiled probe iteration (CPU workspace)
     workspace: list[int] = field(default_factory=list)  # per recorded op: transient bytes inside it
     scopes: ScopeTracker | None = None  # module scope of each op, while recording
+    kernel_timer: Any = None  # CUDA: the torch profiler session timing ops by their kernels
+    kernels: Any = None  # its KernelTimes, once stopped
 
     def slot(self, t: torch.Tensor, produced_by: str | None) -> _Slot | None:
         """The slot of ``t``'s storage (created on first sight), or None if ``t`` lives
@@ -194,7 +199,8 @@ class _Mode(TorchDispatchMode):
         if s.timing == "measured" and s.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = func(*args, **kwargs)
+            with s.kernel_timer.mark(len(s.ops)) if s.kernel_timer is not None else contextlib.nullcontext():
+                out = func(*args, **kwargs)
             end.record()
             events, dur = (start, end), 0.0
             if cuda_ws:
@@ -534,8 +540,21 @@ def capture(
     if workspace and timing == "measured" and dev.type == "cpu":
         probe_names, probe_ws = _probe_cpu_workspace(state, lambda: one_iteration(False), pack)
     state.probe_cuda = workspace and timing == "measured" and dev.type == "cuda"
-    with ScopeTracker(model) as state.scopes, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Mode(state):
-        one_iteration(True)
+    if timing == "measured" and dev.type == "cuda":  # op times from their kernels (runtime.kernel_times)
+        from ..runtime.kernel_times import KernelTimer
+
+        state.kernel_timer = KernelTimer.start()
+    try:
+        with ScopeTracker(model) as state.scopes, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _Mode(state):
+            one_iteration(True)
+        if state.kernel_timer is not None:
+            torch.cuda.synchronize(dev)
+            state.kernels = state.kernel_timer.stop(len(state.ops))
+    finally:
+        if state.kernel_timer is not None:
+            state.kernel_timer.close()
+            state.kernel_timer = None
     state.scopes = None
     if probe_names is not None:
         if probe_names == [r.name for r in state.ops]:
@@ -625,9 +644,12 @@ def _build(state: _State, model: torch.nn.Module, dev: torch.device, hw: Hardwar
         tensors.append(TensorInfo(id=i, bytes=s.nbytes, kind=s.kind, persistent=persistent, name=s.name, key=s.key))
     ops = []
     ws = state.workspace if len(state.workspace) == len(state.ops) else []
+    kernels = state.kernels if state.kernels is not None and state.kernels.usable else None
     for j, r in enumerate(state.ops):
         d = r.duration_s
-        if r.events is not None:
+        if kernels is not None and len(kernels.op_s) == len(state.ops):
+            d = kernels.op_s[j]  # CUDA: its kernels' GPU time, without launch gaps
+        elif r.events is not None:
             d = r.events[0].elapsed_time(r.events[1]) / 1e3
         outputs = tuple(r.outputs)
         if ws and ws[j] > 0:
@@ -641,7 +663,8 @@ def _build(state: _State, model: torch.nn.Module, dev: torch.device, hw: Hardwar
     meta = {
         "source": "tierflow.capture",
         "device": str(dev),
-        "timing": state.timing,
+        "timing": state.timing if kernels is None else "measured: kernel time (torch profiler)",
+        **({"kernel_times": state.kernels.summary()} if state.kernels is not None else {}),
         "hardware": hw.name if hw is not None else None,
         "torch": torch.__version__,
         "param_count": n_params,

@@ -52,6 +52,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -71,6 +72,7 @@ from . import tiers
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .host_step import HostSteps
+from .kernel_times import KernelTimer, mark
 from .moves import Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
@@ -151,6 +153,11 @@ def _dispatch(self, func, types, args=(), kwargs=None):
         run = self.run
         if run._quiet:  # an op of our own, from a hook or from planning: not the user's
             return func(*args, **(kwargs or {}))
+        if prior is not None:
+            # NOTE: Dynamo's frame hook is set only while torch.compile'd code runs; an op
+            # reaching us with it set is an op of a compiled region that Dynamo ran eagerly
+            # (it compiles nothing while a non-infra dispatch mode is on the stack)
+            run._ran_eager_under_compile()
         # NOTE: the steady state (an iteration following its plan that still matches its
         # trace, plain tensors) takes the lean path. It needs no _quiet: while a
         # __torch_dispatch__ runs, torch has popped the mode, so the copies and resizes
@@ -302,6 +309,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._held_baseline = 0  # bytes the loop held when the plan's iteration was profiled
         self._held_reserve = 0  # of those, bytes the trace does not have: kept free by the plan
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
+        self._kernel_timer: KernelTimer | None = None  # CUDA: the profiled iteration's profiler (kernel_times)
+        self._op_kernel_s: list[float] = []  # CUDA: each recorded op's kernel time, from it
         self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
         self._quiet = False
@@ -371,6 +380,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         errors: list[str] = []
         try:
             self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
+            if self._kernel_timer is not None:  # (and its profiler)
+                self._kernel_timer.close()
+                self._kernel_timer = None
             self._hooks_on()
             self._saved.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
@@ -456,6 +468,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if getattr(self.model, "_has_rebuilt_buckets", None) is False and self._iters_begun < 2:
             self._warmup = True
         self._iters_begun += 1
+        if self._kernel_timer is not None:  # (a profiled iteration that never ended)
+            self._kernel_timer.close()
+        # CUDA: the profiled iteration's op times are its kernels' (kernel_times), if the
+        # torch profiler can run here; the events around each op stay as the fallback
+        self._kernel_timer = KernelTimer.start() if self._recording and self._times_kernels() and not self._warmup else None
         self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
         self._op_events: list[tuple[Any, Any]] = []  # CUDA: (start, end) per recorded op
         self._hook_ops: list[int] = []  # recorded ops our saved-tensor hooks caused (see _unpack)
@@ -636,7 +653,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if timed and self._cuda:  # the op's GPU time: events around it, read at the trace
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
-            out = func(*args, **kwargs)
+            with mark(self._kernel_timer, len(self._rec)):  # (this op's index once recorded)
+                out = func(*args, **kwargs)
             ev1.record()
             dur = 0.0
         else:
@@ -903,6 +921,21 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def _phase(self) -> str:
         return "optimizer" if getattr(self, "_in_step", False) else "forward"
+
+    def _times_kernels(self) -> bool:
+        """Whether a profiled iteration times its ops by their kernels (CUDA)."""
+        return self._cuda
+
+    def _ran_eager_under_compile(self) -> None:
+        """An op of a ``torch.compile``'d model or function reached the mode: Dynamo ran
+        that code eagerly (it compiles nothing while a dispatch mode like ours is on the
+        stack). Counted, and said once per run: the user asked for compiled code."""
+        st = self.stats
+        st.compiled_ops_run_eager += 1
+        if st.compiled_ops_run_eager == 1:
+            warnings.warn("tierflow.offload: torch.compile'd code ran eagerly under the runtime (Dynamo compiles "
+                          "nothing while the runtime's dispatch mode is active); "
+                          "run.stats.compiled_ops_run_eager counts its ops", RuntimeWarning, stacklevel=2)
 
     @contextlib.contextmanager
     def untracked(self) -> Iterator[None]:

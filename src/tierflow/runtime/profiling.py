@@ -14,6 +14,7 @@ import bisect
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -197,6 +198,12 @@ class Profiling:
         self._held_baseline = sum(e.nbytes for e in self._held)
         self._held_reserve = sum(e.nbytes for e in self._held if id(e) not in used)
         self._held = []
+        kernels = None
+        if self._kernel_timer is not None:  # CUDA: each op's kernel time (kernel_times)
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+            kernels, self._kernel_timer = self._kernel_timer.stop(len(self._rec)), None
+        self._op_kernel_s = kernels.op_s if kernels is not None and kernels.usable else []
         last_kept = self._drop_hook_ops()
         n_ops = len(self._rec)
         tensors = []
@@ -229,23 +236,30 @@ class Profiling:
             tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, persistent, e.name, e.key,
                                       held if held is not None and held >= 0 else None, external))
         rec = self._rec
-        if self._op_events and len(self._op_events) == len(rec):
+        timing = "measured"
+        if self._op_kernel_s and len(self._op_kernel_s) == len(rec):
+            # CUDA: the GPU time of the kernels each op launched (the torch profiler's
+            # CUDA activity; runtime/kernel_times.py), without the launch gaps events see
+            rec = [(n, ph, d, i, o) for (n, ph, _d, i, o), d in zip(rec, self._op_kernel_s)]
+            timing = "measured: kernel time (torch profiler)"
+        elif self._op_events and len(self._op_events) == len(rec):
             # CUDA: each op's time on the compute stream between events recorded around
             # it (the host's time around a launch says nothing of the kernel); gaps where
             # the GPU waited for the launch are in it, the runtime's own work between ops
             # is not
             torch.cuda.synchronize(self.device)
             rec = [(n, ph, a.elapsed_time(b) / 1e3, i, o) for (n, ph, _d, i, o), (a, b) in zip(rec, self._op_events)]
-        self._op_events = []
+        self._op_events, self._op_kernel_s = [], []
         facts = self._ops_facts(rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
         ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs), *f)
                for (name, phase, d, ins, outs), f in zip(rec, facts)]
         trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
-                      meta={"source": "tierflow.runtime", "device": str(self.device), "timing": "measured"})
+                      meta={"source": "tierflow.runtime", "device": str(self.device), "timing": timing,
+                            **({"kernel_times": kernels.summary()} if kernels is not None else {})})
         self._trace_sigs_next = list(self._sigs)
         return trace
 
-    def _drop_hook_ops(self) -> None:
+    def _drop_hook_ops(self) -> Callable[[int], int]:
         """Leave out of the profiled iteration the ops our saved-tensor hooks caused
         (autograd's ``detach`` of what the unpack hook returned): the iterations that
         follow the plan run without the hooks (``_hooks_off_for_iteration``), so they
@@ -260,6 +274,8 @@ class Profiling:
         self._sigs = [self._sigs[j] for j in keep]
         if len(self._op_events) == len(keep) + len(drop):
             self._op_events = [self._op_events[j] for j in keep]
+        if len(self._op_kernel_s) == len(keep) + len(drop):
+            self._op_kernel_s = [self._op_kernel_s[j] for j in keep]
         facts = getattr(self, "_facts", None)
         if facts is not None:
             self._facts = {new: facts[old] for new, old in enumerate(keep) if old in facts}

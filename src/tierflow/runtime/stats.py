@@ -94,6 +94,11 @@ class RunStats:
             ``optimizer.step()`` ends, or a parameter was needed before its update ended).
         host_step_bytes: host memory the host steps hold outside the host pool (master
             copies, gradient buffers, optimizer state; pinned on CUDA).
+        compiled_ops_run_eager: ops of ``torch.compile``'d code (a compiled model,
+            block or function) that ran eagerly under the runtime: Dynamo compiles
+            nothing while a dispatch mode like the runtime's is active, so that code
+            runs uncompiled inside the block (warned once per run). 0: no compiled
+            code ran.
     """
 
     steps: int = 0
@@ -152,6 +157,7 @@ class RunStats:
     collectives: int = 0
     busy_refusals: int = 0
     foreign_storages: int = 0
+    compiled_ops_run_eager: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
