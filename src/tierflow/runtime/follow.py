@@ -200,6 +200,13 @@ class PlanFollowing:
         if fits:
             if need <= pool.limit and not pool.fixed:
                 pool.reserve(need, largest)
+            span = layout.get("host", (0, 0))[0] if not plan.reactive else 0
+            base = pool.chunk_holding(span) if span and span <= pool.limit else None
+            if base:
+                # the pool planner lays the plan's stays out from offset 0 of one arena;
+                # the pool is chunks, and a slot cannot straddle two: the layout goes
+                # where one chunk holds all of it
+                self._layout = {k: off + base if k[2] == "host" else off for k, off in self._layout.items()}
             if ssd is not None and ssd_need > ssd.capacity and not ssd.reserve(ssd_need):
                 raise OffloadError(
                     f"offload: {plan.policy}'s plan needs {fmt_bytes(ssd_need)} ({ssd_need} bytes) in the SSD file, "

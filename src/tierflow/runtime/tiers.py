@@ -309,6 +309,15 @@ class HostPool:
                 return False
         return True
 
+    def chunk_holding(self, nbytes: int) -> int | None:
+        """The offset of a chunk of at least ``nbytes`` (the largest; grown if there is
+        none), where a planned layout of that span fits without straddling two chunks;
+        None where the pool cannot have one."""
+        fits = [(size, base) for base, size in zip(self._bases, self.chunk_sizes) if size >= nbytes]
+        if not fits and self.grow(nbytes):
+            return self._bases[-1]
+        return max(fits)[1] if fits else None
+
     def _chunk(self, off: int) -> int:
         return bisect.bisect_right(self._bases, off) - 1
 
