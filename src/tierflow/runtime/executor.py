@@ -446,6 +446,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._saved_seq = 0
         self._iter_tid: dict[int, int] = {}
         self._freed_at: dict[int, int] = {}  # profiling: trace id -> last op its storage was alive
+        self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident
         self._first_in: set[int] = set()  # profiling: trace ids first seen as an op's input
         self._recording = self._need_profile or self.plan is None
         self._planned = not self._recording and self.plan is not None and not self.plan.reactive

@@ -37,12 +37,20 @@ class PlanFollowing:
         :meth:`_move_table` built when the plan was made)."""
         entries, by_key, stats = self._iter_entries, self._by_key, self.stats
         for evict, tid, key, tier, slot in self._actions[op]:
+            if evict is None:  # a gradient past its last use, held until zero_grad (see _move_table)
+                e = entries[tid]
+                if e is not None and e.state is RESIDENT and e.ref() is not None:
+                    self._dead_held.append(e)
+                continue
             e = by_key.get(key) if key is not None else entries[tid]
             # (a temporary the plan moves is found by the trace id it was bound to: made by
             # an op of the iteration, nobody's but autograd's, safe to move)
             if e is None or e.ref() is None or not e.resizable or (
                     e.kind not in OWNED and not (key is None and e.kind == "temporary")):
                 stats.skipped_moves += 1
+                if not hints:
+                    self._depart("skipped move: a tensor the runtime did not find or cannot move"
+                                 if e is None or e.ref() is None else f"skipped move: a {e.kind} it cannot move")
                 continue
             if evict:
                 done = self._evict(e, tier, slot)
@@ -64,6 +72,9 @@ class PlanFollowing:
                 stats.planned_moves += 1
             else:
                 stats.skipped_moves += 1
+                if not hints:
+                    self._depart("skipped move: already where the plan sends it" if not evict or e.state != RESIDENT
+                                 else "skipped move: eviction refused (pinned by a collective, or resized)")
         if self._pending and not hints:
             self._issue_pending()
 
@@ -98,6 +109,16 @@ class PlanFollowing:
                 acts.append((m.kind == "evict", m.tensor, (info.key or "") if info.persistent else None, rt,
                              self._layout.get((m.tensor, op + 1, rt)) if m.kind == "evict" else None))
             table[op] = tuple(acts)
+        if not plan.reactive:
+            # NOTE: a gradient lives until zero_grad, past its last use, which the trace
+            # does not count (see Profiling._build_trace): from its last use it is the
+            # first thing to leave when a planned prefetch waits for room that the plan
+            # had counted free (vit-tiny at 30%: an Adam moment fetched on demand every
+            # step, its prefetch waiting behind dead gradients). Nothing fetches it back.
+            for t in trace.tensors:
+                if t.kind == "gradient" and not t.persistent and t.held_until is None:
+                    d = int(trace.death[t.id])
+                    table[d] = tuple(table[d]) + ((None, t.id, None, None, None),)
         return table
 
     def _issue_pending(self) -> None:
@@ -110,6 +131,8 @@ class PlanFollowing:
                 continue
             if self._device_bytes + e.nbytes > self.budget and self._leaving:
                 self._retire_leaving()  # (copies out that landed since give their room)
+            if self._device_bytes + e.nbytes > self.budget and self._dead_held and not self._hinted:
+                self._evict_dead_held(e.nbytes)
             if self._device_bytes + e.nbytes > self.budget:
                 if not self._hinted:
                     return  # a planned prefetch waits for room (as simulated)
@@ -117,6 +140,23 @@ class PlanFollowing:
             self._pending.popleft()
             if self._prefetch(e):
                 self.stats.planned_moves += 1
+
+    def _depart(self, reason: str) -> None:
+        """Count one way a planned iteration departed from its plan (``stats.departures``)."""
+        d = self.stats.departures
+        d[reason] = d.get(reason, 0) + 1
+
+    def _evict_dead_held(self, need: int) -> None:
+        """Evict gradients past their last use (oldest first) until ``need`` more bytes
+        fit the budget: memory the plan counted free."""
+        held = self._dead_held
+        while held and self._device_bytes - self._leaving_bytes + need > self.budget:
+            e = held.popleft()
+            if e.ref() is not None and e.state is RESIDENT and self._evict(e, "host"):
+                self.stats.unplanned_evictions += 1
+                self._depart("eviction: a gradient held past its last use, for a planned prefetch")
+        if self._leaving:
+            self._retire_leaving(need)
 
     def _victims(self, pinned: set[int]) -> list[_Entry]:
         """Owned resident tensors in eviction order: following a plan, the one the trace

@@ -57,6 +57,8 @@ class Moves:
                     break
                 if self._evict(e, "host"):
                     self.stats.unplanned_evictions += 1
+                    e.unplanned = True
+                    self._depart("eviction: room an op needed beyond the plan")
         else:
             # least recently used first, found lazily: the front of the LRU order, skipping
             # what this op needs and what cannot move now
@@ -275,6 +277,13 @@ class Moves:
         if e.state != RESIDENT:
             # an SSD read that already landed in its bounce slot is a prefetch that worked
             landed = e.state == INCOMING and e.io is not None and e.io.done()
+            if not landed and self._in_iter and self._planned and not self._stale:
+                self._depart("on-demand fetch: " + (
+                    "its planned prefetch waited for room" if e in self._pending else
+                    "evicted beyond the plan" if e.unplanned else
+                    "its planned read from the SSD had not landed" if e.state == INCOMING else
+                    "away with no prefetch issued before this use"))
+            e.unplanned = False
             t0 = time.perf_counter()
             self._fetch(e)
             if not landed:

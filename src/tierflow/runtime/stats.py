@@ -43,6 +43,11 @@ class RunStats:
         planned_moves: plan moves executed; skipped_moves: plan moves with nothing to do
             (a tensor the runtime cannot identify or move, or already where asked).
         unplanned_evictions: evictions the budget forced beyond the plan.
+        departures: where iterations that followed a planned plan departed from it, a
+            count per reason: ``"on-demand fetch: ..."`` (evicted beyond the plan, its
+            planned prefetch waited for room, away with no prefetch issued before the
+            use), ``"eviction: ..."`` (room an op needed beyond the plan; a gradient
+            held past its last use, for a planned prefetch) and ``"skipped move: ..."``.
         tier_fallbacks: moves sent to host because the plan's tier is missing or full.
         planned_slots: evictions placed at the offset the pool planner laid out for
             them in the host pool or SSD file (the rest took the first free slot: a move
@@ -124,6 +129,7 @@ class RunStats:
     planned_moves: int = 0
     skipped_moves: int = 0
     unplanned_evictions: int = 0
+    departures: dict[str, int] = field(default_factory=dict)
     tier_fallbacks: int = 0
     planned_slots: int = 0
     stale_plans: int = 0

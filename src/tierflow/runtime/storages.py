@@ -52,6 +52,7 @@ class _Entry:
     foreign: bool = False  # resized by someone else (FSDP's unsharded parameters): never moved
     top: int = 0  # largest size seen (a foreign storage's size changes under us)
     external: bool = False  # made before an iteration, held by the user's loop: never moved
+    unplanned: bool = False  # away because the budget forced an eviction the plan did not make
     # host steps (runtime/host_step.py): the host buffer that is this storage's home off
     # the device (a host-stepped parameter's master copy, its gradient's buffer): while
     # away in it the tier is "home"; synced: the device bytes equal the home's
