@@ -236,6 +236,10 @@ class Profiling:
             for t in hw.tiers:
                 if t.kind == "ssd":
                     hw = hw.with_tier(t.name, capacity=float(self._ssd.capacity if self._ssd else 0))
+            if self._hardware_arg is None:  # (a GPU: the host only queues the kernels)
+                costs = self._measured_host_costs()
+                hw = replace(hw, async_launch=True, op_issue_s=costs.op_issue_s,
+                             recompute_issue_s=costs.recompute_issue_s)
             return hw
         if self._hardware_arg is not None:
             return load_hardware(self._hardware_arg)
@@ -260,9 +264,26 @@ class Profiling:
         if self._sync is not None:
             host = replace(host, optimizer_bytes_per_s=self._sync.min(host.optimizer_bytes_per_s))
             move_s = self._sync.min(move_s)
+        # NOTE: the trace's op times are the ops alone; the lean path's own cost per op
+        # (a few to tens of microseconds of Python) is most of a tiny model's step
+        costs = self._measured_host_costs()
         return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
                         description="CPU mode: device and host are both RAM, the budget accounted",
-                        host_compute=host, move_issue_s=move_s)
+                        host_compute=host, move_issue_s=move_s, op_issue_s=costs.op_issue_s,
+                        recompute_issue_s=costs.recompute_issue_s)
+
+    def _measured_host_costs(self):
+        """The runtime's cost per op and per replayed op on this machine, measured at the
+        first plan (:mod:`.host_costs`), the slowest rank's."""
+        from .host_costs import HostCosts, measure_host_costs
+
+        costs = getattr(self, "_host_costs", None)
+        if costs is None:
+            costs = measure_host_costs(self)
+            if self._sync is not None:
+                costs = HostCosts(self._sync.min(costs.op_issue_s), self._sync.min(costs.recompute_issue_s))
+            self._host_costs = costs
+        return costs
 
     def _plan_hardware(self, hw: Hardware, policy: str) -> Hardware:
         """The machine the policy plans for: without a host to step the optimizer on
