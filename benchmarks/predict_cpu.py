@@ -10,6 +10,10 @@ every row alike. The stall columns say how much of a miss is on-demand fetching 
 plan did not foresee (fetches the simulator, following the plan, never sees).
 
     PYTHONPATH=src python benchmarks/predict_cpu.py --runs 3 --json /tmp/predict.json
+
+To compare two source trees on a shared machine, interleave them by process: run each
+tree with ``--runs 1 --json`` in turn, a few times, then
+``predict_cpu.py --combine A1.json A2.json A3.json`` prints the median of each row.
 """
 
 from __future__ import annotations
@@ -87,16 +91,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--combine", nargs="+", metavar="JSON",
+                    help="run nothing: the median of each row over these files (each one run of --json)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    rows = [(m, b) for m in args.models.split(",") for b in args.budgets.split(",")]
-    print(f"load before: {os.getloadavg()}  torch {torch.__version__}  threads {torch.get_num_threads()}",
-          flush=True)
-    runs: dict[tuple[str, str], list[dict]] = {r: [] for r in rows}
-    for k in range(args.runs):
-        for m, b in rows:
-            runs[(m, b)].append(run_once(m, b, args.steps))
-        print(f"  round {k + 1}/{args.runs} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    if args.combine:
+        for path in args.combine:
+            for r in json.loads(Path(path).read_text())["rows"]:  # (a row: one run, or a file's median)
+                runs.setdefault((r["model"], r["budget"]), []).append(r)
+        rows = list(runs)
+    else:
+        torch.set_num_threads(args.threads)
+        rows = [(m, b) for m in args.models.split(",") for b in args.budgets.split(",")]
+        print(f"load before: {os.getloadavg()}  torch {torch.__version__}  threads {torch.get_num_threads()}",
+              flush=True)
+        runs = {r: [] for r in rows}
+        for k in range(args.runs):
+            for m, b in rows:
+                runs[(m, b)].append(run_once(m, b, args.steps))
+            print(f"  round {k + 1}/{args.runs} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     out = []
     print(f"{'model':<11} {'budget':>6} {'ops':>5} {'op_us':>6} {'predicted':>10} {'measured':>10} {'ratio':>6} "
           f"{'(min-max)':>11} {'stalls':>7} {'stall_ms':>8} {'moves':>6}")

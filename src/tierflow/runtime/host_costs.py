@@ -119,8 +119,8 @@ def _retire_dead(run: Any) -> None:
 def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, cuda: bool) -> float:
     """Per op: ``n`` adds through the run's dispatch mode and lean path, less their own
     time (CPU mode)."""
-    if run._mode not in _get_current_dispatch_mode_stack():
-        return 0.0  # (not planning inside the block: nothing to measure through)
+    if run._untracked or run._mode not in _get_current_dispatch_mode_stack():
+        return 0.0  # (not planning inside the block's tracked ops: nothing to measure through)
     out_bytes = a.untyped_storage().nbytes()
     # every row a plain op of the followed iteration: a new result, nothing planned at it
     # (row layout: see profiling.Profiling._make_plan, "the lean path's per-op row")
