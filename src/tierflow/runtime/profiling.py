@@ -14,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from .storages import (
     _storage_bytes,
     _write_spots,
 )
+
+if TYPE_CHECKING:
+    from .host_costs import HostCosts
 
 
 def _measure_copy_bw(device: torch.device) -> float:
@@ -292,16 +296,16 @@ class Profiling:
                         host_compute=host, move_issue_s=move_s, op_issue_s=costs.op_issue_s,
                         recompute_issue_s=costs.recompute_issue_s)
 
-    def _measured_host_costs(self):
+    def _measured_host_costs(self) -> HostCosts:
         """The runtime's cost per op and per replayed op on this machine, measured at the
-        first plan (:mod:`.host_costs`), the slowest rank's."""
+        first plan (:mod:`.host_costs`), the slowest rank's (the ranks plan alike)."""
         from .host_costs import HostCosts, measure_host_costs
 
         costs = getattr(self, "_host_costs", None)
         if costs is None:
             costs = measure_host_costs(self)
-            if self._sync is not None:
-                costs = HostCosts(self._sync.min(costs.op_issue_s), self._sync.min(costs.recompute_issue_s))
+            if self._sync is not None:  # (the largest: a min of the negated figures)
+                costs = HostCosts(-self._sync.min(-costs.op_issue_s), -self._sync.min(-costs.recompute_issue_s))
             self._host_costs = costs
         return costs
 
