@@ -127,3 +127,16 @@ def test_async_launch_puts_the_move_issue_cost_on_the_host():
     r = simulate(tr, dataclasses.replace(hw, move_issue_s=1e-3, async_launch=True), plan)
     free = simulate(tr, hw, plan)
     assert r.issuing_s == 0.0 and r.host_wait_s == 0.0 and r.time_s == free.time_s
+
+
+def test_host_copies_cost_the_thread_their_bytes():
+    tr, hw = chain_trace(), simple_hw(pcie_gbps=10.0)
+    plan = _plan(2**30, Move("evict", 1, 0, "host"), Move("prefetch", 1, 1, "host", 2))
+    free = simulate(tr, hw, plan)
+    r = simulate(tr, dataclasses.replace(hw, host_copies=True), plan)
+    # the 50 MB eviction and prefetch, each 5 ms at 10 GB/s, on the thread that runs the ops
+    assert r.issuing_s == pytest.approx(2 * 50 * MB / 10e9) and free.issuing_s == 0.0
+    assert r.time_s == pytest.approx(tr.ideal_s + r.stall_s + r.issuing_s)
+    # the prefetch, issued 5 ms later (after the eviction's copy), still arrives for op 2
+    # no later than the thread is free: op 2 waits no longer than it did
+    assert r.stall_s <= free.stall_s + 1e-12

@@ -18,6 +18,7 @@ of the same form (``tierflow hardware show g10-a100`` prints one to start from):
     recompute_issue_us = 0              # ... per op a recompute chain replays (optional)
     host_step_issue_us = 0              # ... per host optimizer step issued (optional)
     async_launch = false                # true: the host only queues ops (a GPU), see below
+    host_copies = false                 # true: that thread makes each copy itself (CPU mode)
     [compute]
     peak_tflops_fp32 = 19.5
     peak_tflops_bf16 = 312
@@ -47,7 +48,9 @@ each host optimizer step), beyond the ops' durations in the trace. With
 ``async_launch = false`` (the default, and CPU mode, where that thread runs the ops
 itself) every one of them is step time. With ``async_launch = true`` (a GPU: the host
 only queues kernels) they advance a host timeline instead, and an op waits for it only
-where the host has fallen behind the device (a launch-bound step).
+where the host has fallen behind the device (a launch-bound step). With
+``host_copies = true`` (CPU mode's ``memmove``) each transfer also costs that thread its
+bytes at the route's rate, on top of ``move_issue_us``.
 
 ``[host_compute]`` is what a ``HostStep`` costs: ``optimizer_gbps`` is how many bytes of
 parameter, gradient and optimizer state a host optimizer update gets through per
@@ -172,6 +175,9 @@ class Hardware:
     #: the issue costs above then delay an op only when the host has fallen behind the
     #: device. False (CPU mode): that thread runs the ops, so they are step time.
     async_launch: bool = False
+    #: True where a transfer is a copy the dispatching thread makes itself (CPU mode's
+    #: ``memmove``): each also costs that thread its bytes at the route's rate.
+    host_copies: bool = False
     interconnect: Interconnect | None = None
     host_compute: HostCompute | None = None
 
@@ -301,8 +307,9 @@ class Hardware:
         for key, v in _ISSUE_COSTS:
             if getattr(self, v):
                 lines.append(f"{key} = {num(getattr(self, v) * 1e6)}")
-        if self.async_launch:
-            lines.append("async_launch = true")
+        for key in _FLAGS:
+            if getattr(self, key):
+                lines.append(f"{key} = true")
         lines.append("")
         c = self.compute
         lines += [
@@ -356,6 +363,7 @@ class Hardware:
 # the per-thread costs: (TOML key in microseconds, Hardware attribute in seconds)
 _ISSUE_COSTS = (("move_issue_us", "move_issue_s"), ("op_issue_us", "op_issue_s"),
                 ("recompute_issue_us", "recompute_issue_s"), ("host_step_issue_us", "host_step_issue_s"))
+_FLAGS = ("async_launch", "host_copies")  # (TOML key = attribute)
 
 
 def _bottleneck(path: tuple[Link, ...]) -> float:
@@ -406,8 +414,9 @@ def _check(hw: Hardware) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < INF:
             raise HardwareError(f"{where}: field '{key}' must be a finite number >= 0, "
                                 f"got {v * 1e6 if isinstance(v, (int, float)) else v!r}")
-    if not isinstance(hw.async_launch, bool):
-        raise HardwareError(f"{where}: field 'async_launch' must be true or false, got {hw.async_launch!r}")
+    for key in _FLAGS:
+        if not isinstance(getattr(hw, key), bool):
+            raise HardwareError(f"{where}: field '{key}' must be true or false, got {getattr(hw, key)!r}")
     ic = hw.interconnect
     if ic is not None:
         if not ic.bandwidth > 0 or ic.bandwidth == INF:
@@ -567,7 +576,7 @@ def _from_dict(data: dict, source: str) -> Hardware:
         buses=buses,
         fault_latency_s=_num(data, "fault_latency_us", source, 0.0) * 1e-6,
         **{attr: _num(data, key, source, 0.0) * 1e-6 for key, attr in _ISSUE_COSTS},
-        async_launch=_flag(data, "async_launch", source),
+        **{key: _flag(data, key, source) for key in _FLAGS},
         description=str(data.get("description", "")),
         interconnect=interconnect,
         host_compute=_host_compute(data, source),

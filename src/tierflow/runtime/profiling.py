@@ -294,7 +294,7 @@ class Profiling:
         return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
                         description="CPU mode: device and host are both RAM, the budget accounted",
                         host_compute=host, move_issue_s=move_s, op_issue_s=costs.op_issue_s,
-                        recompute_issue_s=costs.recompute_issue_s)
+                        recompute_issue_s=costs.recompute_issue_s, host_copies=True)
 
     def _measured_host_costs(self) -> HostCosts:
         """The runtime's cost per op and per replayed op on this machine, measured at the

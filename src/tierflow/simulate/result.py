@@ -136,7 +136,8 @@ class SimResult:
         fits: the plan ran within the device's capacity.
         op_start_s, op_end_s, op_stall_s: per op, seconds from the iteration start.
         issuing_s: compute-stream seconds spent issuing transfers (the hardware's
-            ``move_issue_s`` per transfer; part of ``time_s``). With ``async_launch``
+            ``move_issue_s`` per transfer, and with ``host_copies`` its bytes at the
+            route's rate; part of ``time_s``). With ``async_launch``
             that cost is on the host timeline instead (in ``host_wait_s``).
         host_wait_s: compute-stream seconds the runtime's host costs took
             (``op_issue_s``, ``recompute_issue_s``, ``host_step_issue_s``; with

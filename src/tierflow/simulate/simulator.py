@@ -25,6 +25,9 @@ Semantics, in the order things happen:
   *host timeline* instead: an op cannot start before the host has issued it, so a
   launch-bound plan is scored as such and a device-bound one pays nothing; a stall is
   resolved by the host before it issues the op, so the host waits for it.
+* With ``host_copies`` (CPU mode: a move is a ``memmove`` on the dispatching thread)
+  each eviction, prefetch or fault also costs that thread its bytes at the route's
+  rate, paid as its issue cost is.
 * Transfers move data (they do not copy it): an eviction holds its device bytes until it
   completes, a fetch reserves device bytes when it is issued and releases its source
   when it completes.
@@ -178,6 +181,8 @@ class _Simulator:
         self.mem_log: dict[str, list[tuple[float, float]]] = {t.name: [] for t in hw.tiers}
         self.faults = self.fault_bytes = self.skipped = 0
         self.issue_cost = hw.move_issue_s
+        # bytes/s of the routes when the thread makes the copies itself (host_copies)
+        self.copy_rate: dict[tuple[str, str], float] | None = {} if hw.host_copies else None
         self.issue_debt = 0.0  # compute-thread seconds of transfers issued, not yet paid
         self.issuing_s = 0.0  # paid in the measured iteration
         # the runtime's host costs (see the module's docstring); host_t is the host
@@ -259,9 +264,18 @@ class _Simulator:
         return None
 
     # -- moves --------------------------------------------------------------------------
+    def _copy_s(self, nbytes: float, src: str, dst: str) -> float:
+        """Seconds of the dispatching thread a copy of ``nbytes`` takes (host_copies)."""
+        rate = self.copy_rate.get((src, dst))
+        if rate is None:
+            rate = self.copy_rate[(src, dst)] = self.hw.route_bandwidth(src, dst)
+        return nbytes / rate if rate > 0 else 0.0
+
     def _evict(self, t: int, dst: str, kind: str) -> None:
         size = self.size[t]
         self.issue_debt += self.issue_cost
+        if self.copy_rate is not None:
+            self.issue_debt += self._copy_s(size, self.dev, dst)
         self.state[t] = OUTGOING
         self.lru.pop(t, None)
         self._alloc(dst, size)
@@ -278,6 +292,8 @@ class _Simulator:
         """Bring ``t`` to the device; the caller has checked there is room."""
         size = self.size[t]
         self.issue_debt += self.issue_cost
+        if self.copy_rate is not None:
+            self.issue_debt += self._copy_s(size, self.where[t], self.dev)
         self.state[t] = INCOMING
         self._alloc(self.dev, size)
         extra = self.hw.fault_latency_s if kind == "fault" else 0.0
