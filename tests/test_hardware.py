@@ -56,6 +56,38 @@ def test_move_issue_cost_round_trips_and_must_not_be_negative(tmp_path):
         load_hardware(path)
 
 
+def test_runtime_host_costs_round_trip():
+    hw = dataclasses.replace(load_hardware("g10-a100"), op_issue_s=12e-6, recompute_issue_s=30e-6,
+                             host_step_issue_s=45e-6, async_launch=True, host_copies=True)
+    again = hardware_from_toml(hw.to_toml())
+    assert math.isclose(again.op_issue_s, 12e-6) and math.isclose(again.recompute_issue_s, 30e-6)
+    assert math.isclose(again.host_step_issue_s, 45e-6) and again.async_launch is True
+    assert again.host_copies is True
+
+
+def test_runtime_host_costs_default_to_zero_and_synchronous():
+    hw = load_hardware("g10-a100")
+    assert (hw.op_issue_s, hw.recompute_issue_s, hw.host_step_issue_s) == (0.0, 0.0, 0.0)
+    assert (hw.async_launch, hw.host_copies) == (False, False)
+    assert "op_issue_us" not in hw.to_toml() and "async_launch" not in hw.to_toml()
+
+
+@pytest.mark.parametrize("line, message", [
+    ("op_issue_us = -2", "'op_issue_us' must be a finite number >= 0"),
+    ("recompute_issue_us = inf", "'recompute_issue_us' must be a finite number >= 0"),
+    ("host_step_issue_us = \"1\"", "'host_step_issue_us' must be a number"),
+    ("async_launch = 1", "'async_launch' must be true or false"),
+    ("host_copies = \"yes\"", "'host_copies' must be true or false"),
+])
+def test_runtime_host_costs_are_checked(tmp_path, line, message):
+    path = tmp_path / "bad.toml"
+    text = load_hardware("g10-a100").to_toml()
+    path.write_text(text.replace("\n[compute]", f"\n{line}\n\n[compute]", 1))
+    with pytest.raises(HardwareError, match=message) as err:
+        load_hardware(path)
+    assert str(path) in str(err.value)
+
+
 def test_user_toml_file(tmp_path):
     path = tmp_path / "box.toml"
     path.write_text(load_hardware("g10-a100").to_toml().replace('capacity = 42949672960', 'capacity = "8GiB"'))

@@ -14,6 +14,11 @@ of the same form (``tierflow hardware show g10-a100`` prints one to start from):
     device = "gpu"                      # the tier ops compute on
     fault_latency_us = 45               # cost of an on-demand fetch, before its bytes
     move_issue_us = 0                   # compute-thread time per transfer issued (optional)
+    op_issue_us = 0                     # host-thread time per op the runtime dispatches (optional)
+    recompute_issue_us = 0              # ... per op a recompute chain replays (optional)
+    host_step_issue_us = 0              # ... per host optimizer step issued (optional)
+    async_launch = false                # true: the host only queues ops (a GPU), see below
+    host_copies = false                 # true: that thread makes each copy itself (CPU mode)
     [compute]
     peak_tflops_fp32 = 19.5
     peak_tflops_bf16 = 312
@@ -36,6 +41,16 @@ of the same form (``tierflow hardware show g10-a100`` prints one to start from):
     [host_compute]                      # optional: optimizer steps run on the host
     optimizer_gbps = 22.6               # decimal GB/s of parameter+gradient+state bytes
     source = "DeepSpeed PR #735: ..."   # where the figure comes from
+
+The ``*_issue_us`` figures are the training runtime's own cost on the thread that
+dispatches the ops (Python bookkeeping around each op, each replayed recompute op,
+each host optimizer step), beyond the ops' durations in the trace. With
+``async_launch = false`` (the default, and CPU mode, where that thread runs the ops
+itself) every one of them is step time. With ``async_launch = true`` (a GPU: the host
+only queues kernels) they advance a host timeline instead, and an op waits for it only
+where the host has fallen behind the device (a launch-bound step). With
+``host_copies = true`` (CPU mode's ``memmove``) each transfer also costs that thread its
+bytes at the route's rate, on top of ``move_issue_us``.
 
 ``[host_compute]`` is what a ``HostStep`` costs: ``optimizer_gbps`` is how many bytes of
 parameter, gradient and optimizer state a host optimizer update gets through per
@@ -147,6 +162,22 @@ class Hardware:
     #: the published machines, measured by ``tierflow.offload`` for its CPU mode, where
     #: it decides whether many small moves beat a few large ones.
     move_issue_s: float = 0.0
+    #: Seconds of the thread that dispatches the ops that the runtime costs per op of a
+    #: followed iteration, beyond the op's duration in the trace (its dispatch mode and
+    #: bookkeeping): 0 for the published machines, measured by ``tierflow.offload``.
+    op_issue_s: float = 0.0
+    #: The same per op a recompute chain replays (beyond the op's duration).
+    recompute_issue_s: float = 0.0
+    #: The same per host optimizer step issued (beyond the update's own time on the
+    #: host-compute stream, which ``host_compute`` models).
+    host_step_issue_s: float = 0.0
+    #: True where the dispatching thread only queues ops on the compute device (a GPU):
+    #: the issue costs above then delay an op only when the host has fallen behind the
+    #: device. False (CPU mode): that thread runs the ops, so they are step time.
+    async_launch: bool = False
+    #: True where a transfer is a copy the dispatching thread makes itself (CPU mode's
+    #: ``memmove``): each also costs that thread its bytes at the route's rate.
+    host_copies: bool = False
     interconnect: Interconnect | None = None
     host_compute: HostCompute | None = None
 
@@ -273,8 +304,12 @@ class Hardware:
         if self.description:
             lines.append(f'description = "{self.description}"')
         lines += [f'device = "{self.device}"', f"fault_latency_us = {num(self.fault_latency_s * 1e6)}"]
-        if self.move_issue_s:
-            lines.append(f"move_issue_us = {num(self.move_issue_s * 1e6)}")
+        for key, v in _ISSUE_COSTS:
+            if getattr(self, v):
+                lines.append(f"{key} = {num(getattr(self, v) * 1e6)}")
+        for key in _FLAGS:
+            if getattr(self, key):
+                lines.append(f"{key} = true")
         lines.append("")
         c = self.compute
         lines += [
@@ -325,6 +360,12 @@ class Hardware:
         return "\n".join(lines) + "\n"
 
 
+# the per-thread costs: (TOML key in microseconds, Hardware attribute in seconds)
+_ISSUE_COSTS = (("move_issue_us", "move_issue_s"), ("op_issue_us", "op_issue_s"),
+                ("recompute_issue_us", "recompute_issue_s"), ("host_step_issue_us", "host_step_issue_s"))
+_FLAGS = ("async_launch", "host_copies")  # (TOML key = attribute)
+
+
 def _bottleneck(path: tuple[Link, ...]) -> float:
     return min(link.bandwidth for link in path) if path else INF
 
@@ -368,8 +409,14 @@ def _check(hw: Hardware) -> None:
             raise HardwareError(f"{where}: bus {b}: bandwidth must be > 0, got {bw!r}")
     if hw.fault_latency_s < 0:
         raise HardwareError(f"{where}: field 'fault_latency_us' must be >= 0")
-    if not 0 <= hw.move_issue_s < INF:
-        raise HardwareError(f"{where}: field 'move_issue_us' must be a finite number >= 0, got {hw.move_issue_s * 1e6!r}")
+    for key, attr in _ISSUE_COSTS:
+        v = getattr(hw, attr)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < INF:
+            raise HardwareError(f"{where}: field '{key}' must be a finite number >= 0, "
+                                f"got {v * 1e6 if isinstance(v, (int, float)) else v!r}")
+    for key in _FLAGS:
+        if not isinstance(getattr(hw, key), bool):
+            raise HardwareError(f"{where}: field '{key}' must be true or false, got {getattr(hw, key)!r}")
     ic = hw.interconnect
     if ic is not None:
         if not ic.bandwidth > 0 or ic.bandwidth == INF:
@@ -528,11 +575,19 @@ def _from_dict(data: dict, source: str) -> Hardware:
         compute=compute,
         buses=buses,
         fault_latency_s=_num(data, "fault_latency_us", source, 0.0) * 1e-6,
-        move_issue_s=_num(data, "move_issue_us", source, 0.0) * 1e-6,
+        **{attr: _num(data, key, source, 0.0) * 1e-6 for key, attr in _ISSUE_COSTS},
+        **{key: _flag(data, key, source) for key in _FLAGS},
         description=str(data.get("description", "")),
         interconnect=interconnect,
         host_compute=_host_compute(data, source),
     )
+
+
+def _flag(table: dict, key: str, where: str) -> bool:
+    v = table.get(key, False)
+    if not isinstance(v, bool):
+        raise HardwareError(f"{where}: field '{key}' must be true or false, got {v!r}")
+    return v
 
 
 _HOST_COMPUTE_KEYS = ("optimizer_gbps", "source")

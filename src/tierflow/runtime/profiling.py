@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from .storages import (
     _write_spots,
 )
 
+if TYPE_CHECKING:
+    from .host_costs import HostCosts
+
 
 def _measure_copy_bw(device: torch.device) -> float:
     """Bytes/s of one 16 MiB device-to-host copy (the CPU-mode "link")."""
@@ -51,25 +54,45 @@ def _measure_copy_bw(device: torch.device) -> float:
 
 
 def _measure_cuda_links(device: torch.device, nbytes: int = 32 << 20, rounds: int = 3) -> tuple[float, float]:
-    """Bytes/s of pinned device-to-host and host-to-device copies of ``nbytes``, each
-    direction alone, timed with events on a side stream (what the runtime's copies are)."""
+    """Bytes/s of pinned device-to-host and host-to-device copies of ``nbytes``, timed
+    with events on side streams (what the runtime's copies are): each direction alone,
+    then both at once on two streams (as a plan's evictions and prefetches overlap).
+    Where both directions are slower at once (a bus or a host memory that the two
+    share), the concurrent figures are returned: the planner then does not count on a
+    rate that a plan moving both ways never gets. (CUDA only; not run on CPU-only CI.)"""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    rates = []
-    with torch.cuda.stream(side):
-        for dst, src in ((host, dev), (dev, host)):
-            dst.copy_(src, non_blocking=True)  # (warm)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sides = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    for s in sides:
+        s.wait_stream(torch.cuda.current_stream(device))
+
+    def timed(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]]) -> list[float]:
+        marks = []
+        for side, dst, src in copies:
+            with torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)  # (warm)
+        for side, _dst, _src in copies:
+            side.synchronize()
+        for side, dst, src in copies:  # (issued together: they overlap when two streams)
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record(side)
-            for _ in range(rounds):
-                dst.copy_(src, non_blocking=True)
-            t1.record(side)
+            with torch.cuda.stream(side):
+                t0.record(side)
+                for _ in range(rounds):
+                    dst.copy_(src, non_blocking=True)
+                t1.record(side)
+            marks.append((t0, t1))
+        for _t0, t1 in marks:
             t1.synchronize()
-            rates.append(rounds * nbytes / max(t0.elapsed_time(t1) / 1e3, 1e-9))
-    side.synchronize()
-    return rates[0], rates[1]
+        return [rounds * nbytes / max(t0.elapsed_time(t1) / 1e3, 1e-9) for t0, t1 in marks]
+
+    (d2h,) = timed([(sides[0], host, dev)])
+    (h2d,) = timed([(sides[0], dev, host)])
+    both_d2h, both_h2d = timed([(sides[0], host, dev), (sides[1], dev2, host2)])
+    if both_d2h < d2h and both_h2d < h2d:
+        return both_d2h, both_h2d
+    return d2h, h2d
 
 
 def _bindings(trace: Trace, sigs: list[tuple], named: set[int] = frozenset()) -> tuple[list[tuple | None], list[tuple | None]]:
@@ -316,6 +339,10 @@ class Profiling:
             for t in hw.tiers:
                 if t.kind == "ssd":
                     hw = hw.with_tier(t.name, capacity=float(ssd_cap))
+            if self._hardware_arg is None:  # (a GPU: the host only queues the kernels)
+                costs = self._measured_host_costs()
+                hw = replace(hw, async_launch=True, op_issue_s=costs.op_issue_s,
+                             recompute_issue_s=costs.recompute_issue_s)
             return hw
         if self._hardware_arg is not None:
             return load_hardware(self._hardware_arg)
@@ -341,9 +368,26 @@ class Profiling:
         if self._sync is not None:
             host = replace(host, optimizer_bytes_per_s=self._sync.min(host.optimizer_bytes_per_s))
             move_s = self._sync.min(move_s)
+        # NOTE: the trace's op times are the ops alone; the lean path's own cost per op
+        # (a few to tens of microseconds of Python) is most of a tiny model's step
+        costs = self._measured_host_costs()
         return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
                         description="CPU mode: device and host are both RAM, the budget accounted",
-                        host_compute=host, move_issue_s=move_s)
+                        host_compute=host, move_issue_s=move_s, op_issue_s=costs.op_issue_s,
+                        recompute_issue_s=costs.recompute_issue_s, host_copies=True)
+
+    def _measured_host_costs(self) -> HostCosts:
+        """The runtime's cost per op and per replayed op on this machine, measured at the
+        first plan (:mod:`.host_costs`), the slowest rank's (the ranks plan alike)."""
+        from .host_costs import HostCosts, measure_host_costs
+
+        costs = getattr(self, "_host_costs", None)
+        if costs is None:
+            costs = measure_host_costs(self)
+            if self._sync is not None:  # (the largest: a min of the negated figures)
+                costs = HostCosts(-self._sync.min(-costs.op_issue_s), -self._sync.min(-costs.recompute_issue_s))
+            self._host_costs = costs
+        return costs
 
     def _plan_hardware(self, hw: Hardware, policy: str) -> Hardware:
         """The machine the policy plans for: without a host to step the optimizer on

@@ -136,7 +136,14 @@ class SimResult:
         fits: the plan ran within the device's capacity.
         op_start_s, op_end_s, op_stall_s: per op, seconds from the iteration start.
         issuing_s: compute-stream seconds spent issuing transfers (the hardware's
-            ``move_issue_s`` per transfer; part of ``time_s``).
+            ``move_issue_s`` per transfer, and with ``host_copies`` its bytes at the
+            route's rate; part of ``time_s``). With ``async_launch``
+            that cost is on the host timeline instead (in ``host_wait_s``).
+        host_wait_s: compute-stream seconds the runtime's host costs took
+            (``op_issue_s``, ``recompute_issue_s``, ``host_step_issue_s``; with
+            ``async_launch`` also ``move_issue_s``): all of them in CPU mode, only the
+            time the device waited for a host that fell behind with ``async_launch``;
+            part of ``time_s``.
         transfers: every transfer issued in the iteration.
         memory: per tier, a step curve ``(times_s, bytes)``.
         pool: with a planned pool (``simulate_pooled``), how the device arena fared;
@@ -146,7 +153,8 @@ class SimResult:
         recomputes: every chain run, for the timeline.
         host_step_s: host-compute seconds of the host steps' updates.
         host_op_s: compute-stream seconds the host-stepped optimizer ops no longer take
-            (``time_s = ideal_s + stall_s + recompute_s - host_op_s``).
+            (``time_s = ideal_s + stall_s + issuing_s + host_wait_s + recompute_s
+            - host_op_s``).
         host_step_bytes: bytes the host steps copied (gradients down, parameters up).
         host_steps: every host update, for the timeline.
     """
@@ -166,6 +174,7 @@ class SimResult:
     fault_bytes: int = 0
     skipped_moves: int = 0
     issuing_s: float = 0.0
+    host_wait_s: float = 0.0
     op_start_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     op_end_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     op_stall_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -219,6 +228,8 @@ class SimResult:
             "faults": self.faults,
             "error": self.error,
         }
+        if self.host_wait_s:
+            out["host_wait_s"] = self.host_wait_s
         if self.pool is not None:
             out["pool"] = self.pool.to_dict()
         if self.recompute_ops or self.host_steps or self.host_step_s:

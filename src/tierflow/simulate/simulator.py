@@ -16,6 +16,18 @@ Semantics, in the order things happen:
 * Issuing a transfer (a planned move, a hint, a fault, a pager's eviction) costs the
   compute stream's thread the hardware's ``move_issue_s`` (0 on the published
   machines): that time is paid before the next op starts, in the step's time.
+* The runtime's own host costs (all 0 on the published machines): each op run on the
+  compute stream costs the dispatching thread ``op_issue_s``, each op a recompute chain
+  replays ``recompute_issue_s``, each host step issued (when its gradient leaves)
+  ``host_step_issue_s``. Without ``async_launch`` (CPU mode: that thread runs the ops)
+  they are paid on the compute stream like the move issue cost, before the op or the
+  chain's op. With ``async_launch`` (a GPU) they and the move issue cost advance a
+  *host timeline* instead: an op cannot start before the host has issued it, so a
+  launch-bound plan is scored as such and a device-bound one pays nothing; a stall is
+  resolved by the host before it issues the op, so the host waits for it.
+* With ``host_copies`` (CPU mode: a move is a ``memmove`` on the dispatching thread)
+  each eviction, prefetch or fault also costs that thread its bytes at the route's
+  rate, paid as its issue cost is.
 * Transfers move data (they do not copy it): an eviction holds its device bytes until it
   completes, a fetch reserves device bytes when it is issued and releases its source
   when it completes.
@@ -169,8 +181,21 @@ class _Simulator:
         self.mem_log: dict[str, list[tuple[float, float]]] = {t.name: [] for t in hw.tiers}
         self.faults = self.fault_bytes = self.skipped = 0
         self.issue_cost = hw.move_issue_s
+        # bytes/s of the routes when the thread makes the copies itself (host_copies)
+        self.copy_rate: dict[tuple[str, str], float] | None = {} if hw.host_copies else None
         self.issue_debt = 0.0  # compute-thread seconds of transfers issued, not yet paid
         self.issuing_s = 0.0  # paid in the measured iteration
+        # the runtime's host costs (see the module's docstring); host_t is the host
+        # timeline with async_launch, and host_wait_s what the stream waited for it (or,
+        # without async_launch, paid for it) in the measured iteration
+        self.op_cost = hw.op_issue_s
+        self.replay_cost = hw.recompute_issue_s
+        self.step_issue_cost = hw.host_step_issue_s
+        self.launch_async = hw.async_launch
+        self.host_t = 0.0
+        self.host_wait_s = 0.0
+        self.host_debt = 0.0  # host-step issue costs not yet paid
+        self.host_waited = 0.0  # host_wait_s over every iteration (for the stalls)
         self.offload = [t for t in hw.offload_tiers if self.engines.reachable(self.dev, t)]
         self.start_tier = start_tier
         self.headroom = plan.budget_bytes * plan.headroom if plan.reactive else 0.0
@@ -239,9 +264,18 @@ class _Simulator:
         return None
 
     # -- moves --------------------------------------------------------------------------
+    def _copy_s(self, nbytes: float, src: str, dst: str) -> float:
+        """Seconds of the dispatching thread a copy of ``nbytes`` takes (host_copies)."""
+        rate = self.copy_rate.get((src, dst))
+        if rate is None:
+            rate = self.copy_rate[(src, dst)] = self.hw.route_bandwidth(src, dst)
+        return nbytes / rate if rate > 0 else 0.0
+
     def _evict(self, t: int, dst: str, kind: str) -> None:
         size = self.size[t]
         self.issue_debt += self.issue_cost
+        if self.copy_rate is not None:
+            self.issue_debt += self._copy_s(size, self.dev, dst)
         self.state[t] = OUTGOING
         self.lru.pop(t, None)
         self._alloc(dst, size)
@@ -258,6 +292,8 @@ class _Simulator:
         """Bring ``t`` to the device; the caller has checked there is room."""
         size = self.size[t]
         self.issue_debt += self.issue_cost
+        if self.copy_rate is not None:
+            self.issue_debt += self._copy_s(size, self.where[t], self.dev)
         self.state[t] = INCOMING
         self._alloc(self.dev, size)
         extra = self.hw.fault_latency_s if kind == "fault" else 0.0
@@ -412,28 +448,42 @@ class _Simulator:
                 self.current_op = 0
                 self._bring_in(externals)
                 self.pinned = set()
+            launch_async, op_cost = self.launch_async, self.op_cost
             for i in range(n_ops):
                 self.current_op = i
+                host_op = lev is not None and i in lev.host_ops
+                debt = self.host_debt if host_op else self.host_debt + op_cost
                 if self.issue_debt:  # the thread issued transfers since the last op
-                    eng.run_until(eng.now + self.issue_debt)
-                    if last:
-                        self.issuing_s += self.issue_debt
+                    if launch_async:
+                        debt += self.issue_debt
+                    else:
+                        eng.run_until(eng.now + self.issue_debt)
+                        if last:
+                            self.issuing_s += self.issue_debt
                     self.issue_debt = 0.0
+                if debt:
+                    self.host_debt = 0.0
+                    self._host_issue(debt, last)
                 ready = eng.now
-                if lev is not None and i in lev.host_ops:
+                if host_op:
                     # the host runs it (HostStep): no time on the compute stream
                     if last:
                         self.op_start[i] = self.op_end[i] = eng.now - self.window
                 else:
+                    waited = self.host_waited
                     recompute_s = self._run_chains(i, last) if chains is not None and i in chains else 0.0
                     self._before_op(i)
                     self._bring_in(self.op_tensors[i])
                     start = eng.now
+                    # (what a chain's replay waited for the host is not the op's stall)
+                    stall = start - ready - recompute_s - (self.host_waited - waited)
+                    if launch_async and stall > 1e-12 and start > self.host_t:
+                        self.host_t = start  # the host resolved the stall before issuing the op
                     eng.run_until(start + durations[i])
                     if last:
                         w = self.window
                         self.op_start[i], self.op_end[i] = start - w, eng.now - w
-                        self.op_stall[i] = start - ready - recompute_s
+                        self.op_stall[i] = stall
                         if recompute_s:
                             self.op_recompute[i] = recompute_s
                     for t in self.op_tensors[i]:
@@ -457,6 +507,23 @@ class _Simulator:
         self.end = eng.now
         if progress is not None:
             progress(total, total)
+
+    def _host_issue(self, cost: float, last: bool) -> None:
+        """The dispatching thread spends ``cost`` seconds before the compute stream's
+        next op: on the stream itself (CPU mode), or on the host timeline, which the
+        stream waits for only where the host is behind it (``async_launch``)."""
+        eng = self.engines
+        if self.launch_async:
+            self.host_t += cost
+            wait = self.host_t - eng.now
+            if wait <= 0:
+                return
+        else:
+            wait = cost
+        eng.run_until(eng.now + wait)
+        self.host_waited += wait
+        if last:
+            self.host_wait_s += wait
 
     def _before_op(self, i: int) -> None:
         """Hook: runs before op ``i`` gathers its tensors; time it lets pass is the op's
@@ -582,6 +649,8 @@ class _Simulator:
                     temps += step.temps
                     self._alloc(self.dev, step.temps)
                 self.demand_waiting = False
+                if self.replay_cost:
+                    self._host_issue(self.replay_cost, last)
                 eng.run_until(eng.now + step.duration_s)
                 computed += step.duration_s
             if temps:
@@ -617,6 +686,7 @@ class _Simulator:
             self.lru.pop(g, None)
             self.outgoing += self.size[g]
             self.stale.add(h.param)  # (its buffer on h.tier is held for good)
+            self.host_debt += self.step_issue_cost  # (paid before the next op)
             f = self.engines.submit(g, self.size[g], self.dev, h.tier, "host_grad", self._grad_landed)
             f.extra["param"] = h.param
 
@@ -674,7 +744,7 @@ class _Simulator:
         # The stream runs ops back to back, so the iteration is its op time plus its
         # stalls; summing exactly keeps a stall-free run at exactly the ideal time.
         stall_s = math.fsum(self.op_stall.tolist())
-        time_s = self.trace.ideal_s + stall_s + self.issuing_s
+        time_s = self.trace.ideal_s + stall_s + self.issuing_s + self.host_wait_s
         levers: dict = {}
         if self.lev is not None:
             # the stream also ran the chains and no longer runs the host-stepped ops
@@ -712,6 +782,7 @@ class _Simulator:
             op_end_s=self.op_end,
             op_stall_s=self.op_stall,
             issuing_s=self.issuing_s,
+            host_wait_s=self.host_wait_s,
             transfers=transfers,
             memory=memory,
             **levers,

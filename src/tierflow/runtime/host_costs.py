@@ -1,0 +1,173 @@
+"""What the runtime itself costs the thread that dispatches the ops, measured on the
+machine at hand for the hardware model (``Hardware.op_issue_s``,
+``Hardware.recompute_issue_s``): a few tens of milliseconds, once per run.
+
+Why this is needed. The trace's op durations are what each op took, timed around the
+op alone (CPU: the host's clock around the kernel call; CUDA: events on the stream).
+A followed iteration also pays, per op, the dispatch mode's entry and the lean path's
+bookkeeping (:meth:`~tierflow.runtime.executor.Run._follow_op`), and, per replayed
+recompute op, the replay's bookkeeping (:meth:`~tierflow.runtime.recompute.Recomputing._remake`).
+On tiny ops that is most of the step: gpt-tiny's 498 ops take about 5.5 ms by the
+trace and 11 ms in a followed iteration with nothing planned.
+
+How. A short sequence of small ``add`` ops runs (a) the way the profiled iteration
+times them, each timed alone, and (b) through the real code path: the run's own
+dispatch mode and lean path, on a scratch per-op table; a scratch recompute chain
+through the real replay. The cost per op is the wall time of (b) less the ops' own
+times in (a), the median of a few rounds: the trace's op times were taken once, in the
+conditions of the moment (a shared machine's other load slows them too), and the
+fastest round would leave that load out of the runtime's share alone. On CUDA the trace's durations are the GPU's, so
+the host's whole time per op is the cost: nothing is subtracted.
+
+The run is left as it was: the scratch tensors' entries are retired, the tables,
+counters and stats put back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from .recompute import _Chain, _Made
+
+_ADD = torch.ops.aten.add.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCosts:
+    """Seconds of the dispatching thread per op, beyond the op's traced duration."""
+
+    op_issue_s: float
+    recompute_issue_s: float
+
+
+def _own_times(a: torch.Tensor, b: torch.Tensor, n: int) -> float:
+    """Seconds ``n`` adds take, each timed alone as the profiled iteration times an op
+    (below the dispatch mode)."""
+    total = 0.0
+    x = a
+    with torch._C._DisableTorchDispatch():
+        for _ in range(n):
+            t0 = time.perf_counter()
+            x = _ADD(x, b)
+            total += time.perf_counter() - t0
+    return total
+
+
+def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int = 64) -> HostCosts:
+    """Measure :class:`HostCosts` for ``run`` (a :class:`~tierflow.runtime.executor.Run`
+    that is planning: its dispatch mode open, no iteration under way).
+
+    Args:
+        run: the run.
+        ops: adds per round of the lean-path probe (replay chains are two adds each,
+            ``ops // 2`` of them per round).
+        rounds: rounds of each probe; the median counts.
+        numel: elements of the probe's tensors (small: the op's own time is not the point).
+    """
+    saved_stats = copy.deepcopy(run.stats)
+    names = ("_optab", "_n_ops", "_op", "_fast", "_quiet", "_hinted", "_stale", "budget", "_op_labels",
+             "_iter_peak", "_chains", "_dropped_in")
+    saved = {k: getattr(run, k) for k in names if hasattr(run, k)}
+    dev = run.device
+    with torch._C._DisableTorchDispatch():
+        a = torch.ones(numel, device=dev)
+        b = torch.ones(numel, device=dev)
+    cuda = dev.type == "cuda"
+    try:
+        # (no room is ever made for the probe: its few hundred bytes are not the budget's)
+        run.budget = math.inf
+        op_s = _lean_op_s(run, a, b, ops, rounds, cuda)
+        replay_s = _replay_op_s(run, a, b, max(1, ops // 2), rounds, cuda)
+    finally:
+        for k in names:  # (the tables of the plan being made, or none yet)
+            if k in saved:
+                setattr(run, k, saved[k])
+            elif hasattr(run, k):
+                delattr(run, k)
+        del a, b
+        _retire_dead(run)
+        run._iter_peak = saved["_iter_peak"]
+        for f in dataclasses.fields(saved_stats):  # in place: the user may hold run.stats
+            now, was = getattr(run.stats, f.name), getattr(saved_stats, f.name)
+            if isinstance(now, dict):
+                now.clear()
+                now.update(was)
+            elif isinstance(now, list):
+                now[:] = was
+            else:
+                setattr(run.stats, f.name, was)
+    return HostCosts(op_s, replay_s)
+
+
+def _retire_dead(run: Any) -> None:
+    """Forget storages that died (the probe's among them), as the next op would."""
+    dead, entries = run._dead, run._entries
+    while dead:
+        e = entries.get(dead.popleft())
+        if e is not None and e.ref() is None:
+            run._retire(e)
+
+
+def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, cuda: bool) -> float:
+    """Per op: ``n`` adds through the run's dispatch mode and lean path, less their own
+    time (CPU mode)."""
+    if run._untracked or run._mode not in _get_current_dispatch_mode_stack():
+        return 0.0  # (not planning inside the block's tracked ops: nothing to measure through)
+    out_bytes = a.untyped_storage().nbytes()
+    # every row a plain op of the followed iteration: a new result, nothing planned at it
+    # (row layout: see profiling.Profiling._make_plan, "the lean path's per-op row")
+    row = (_ADD, False, 0, True, None, False, 0, False, [out_bytes], (), None, False)
+    run._optab = [row[:2] + (k + 1,) + row[3:] for k in range(n)]
+    run._n_ops = n
+    run._op_labels = ["<host cost probe>"] * n
+    run._hinted = run._stale = False
+    costs = []
+    for _ in range(rounds):
+        own = 0.0 if cuda else _own_times(a, b, n)
+        run._op, run._fast, run._quiet = 0, True, False
+        x = a
+        if cuda:
+            torch.cuda.synchronize(a.device)
+        t0 = time.perf_counter()
+        for _k in range(n):
+            x = _ADD(x, b)  # (through the mode: run._follow_op)
+        dt = time.perf_counter() - t0
+        run._fast, run._quiet = False, True
+        del x
+        _retire_dead(run)
+        costs.append(dt - own)
+    if cuda:
+        torch.cuda.synchronize(a.device)
+    return max(0.0, statistics.median(costs)) / n
+
+
+def _replay_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, chains: int, rounds: int, cuda: bool) -> float:
+    """Per replayed op: ``chains`` scratch chains of two adds through the real replay
+    (:meth:`_remake`), less the adds' own time (CPU mode)."""
+    out_bytes = a.untyped_storage().nbytes()
+    recipe = [(_ADD, ((a, b), {}), None, out_bytes), (_ADD, ((_Made(0, 0), b), {}), None, out_bytes)]
+    n = 2 * chains
+    costs = []
+    for _ in range(rounds):
+        own = 0.0 if cuda else _own_times(a, b, n)
+        run._chains = [_Chain((0, 1), (), 2, recipe=list(recipe)) for _c in range(chains)]
+        run._dropped_in = {}
+        if cuda:
+            torch.cuda.synchronize(a.device)
+        with torch._C._DisableTorchDispatch():  # (a replay runs below the mode)
+            t0 = time.perf_counter()
+            for c in range(chains):
+                run._remake(c)
+            dt = time.perf_counter() - t0
+        costs.append(dt - own)
+    if cuda:
+        torch.cuda.synchronize(a.device)
+    return max(0.0, statistics.median(costs)) / n
