@@ -693,10 +693,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 if self._cuda:
                     self._op_events.append((ev0, ev1))
                     # device memory in use that no tracked storage explains (library
-                    # workspaces, the allocator's rounding, the user's other tensors);
-                    # bytes still leaving are not in the allocator's count any more
-                    seen = (torch.cuda.memory_allocated(self.device) - self._untracked_base
-                            - self._device_bytes + self._leaving_bytes)
+                    # workspaces, the allocator's rounding, the user's other tensors)
+                    seen = self._untracked_now()
                     if seen > self._untracked_seen:
                         self._untracked_seen = seen
                 self._note_facts(scope, func, args, kwargs)

@@ -38,6 +38,13 @@ class Moves:
         more bytes fit the budget. On CUDA the bytes of an eviction count until its copy
         has read them (:meth:`_leave`): victims are chosen as if they had left, then the
         host waits for the oldest copies out until ``need`` fits."""
+        if not (self._in_iter and self._planned and not self._stale):
+            # NOTE: until a plan keeps it free, device memory no tracked storage explains
+            # (cuBLAS's workspaces made inside the block, the caching allocator's
+            # rounding) is counted as it is now, so that a byte budget holds over
+            # torch.cuda.max_memory_allocated from the first forward, warm-up and
+            # profiled iterations included (the plan's reserve is not counted twice)
+            need += max(0, self._untracked_now() - self.stats.untracked_device_bytes)
         if self._device_bytes + need <= self.budget:
             return
         if self._leaving:
@@ -88,6 +95,15 @@ class Moves:
         self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd is not None else 0
         self.stats.pinned_bytes = self._host.pinned_bytes + (
             self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
+
+    def _untracked_now(self) -> int:
+        """CUDA: device bytes in use now that no tracked storage explains, above what the
+        block found when it opened (bytes still leaving are out of the allocator's count
+        already). 0 on CPU, where the runtime's accounting is all there is."""
+        if not self._cuda:
+            return 0
+        return max(0, torch.cuda.memory_allocated(self.device) - self._untracked_base
+                   - self._device_bytes + self._leaving_bytes)
 
     def _leave(self, ev: object, n: int) -> None:
         """A storage of ``n`` device bytes was shrunk while the copy ``ev`` still reads
