@@ -195,13 +195,15 @@ def test_departures_are_counted_by_reason():
 # -- what the loop holds ----------------------------------------------------------------------
 
 
-def _hold_batches(budget: str, batches: int, steps: int):
+def _hold_batches(budget: str, batches: int, steps: int, *, made_inside: bool = True):
     model, make_batch, loss_fn = outside.build("unet-mini")
     opt = torch.optim.AdamW(model.parameters())
-    data = [make_batch(i) for i in range(batches)]  # the loop keeps every batch
+    kept = [] if made_inside else [make_batch(i) for i in range(batches)]
     with offload(model, opt, budget=budget) as run:
         for k in range(steps):
-            x, y = data[k % batches]
+            if len(kept) < batches:  # the loop makes a batch and keeps it
+                kept.append(make_batch(k))
+            x, y = kept[k % batches]
             loss_fn(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -221,6 +223,15 @@ def test_batches_the_loop_keeps_are_a_reserve_the_plan_keeps_free():
 def test_a_budget_the_kept_batches_leave_too_small_is_refused_naming_them():
     with pytest.raises(BudgetError, match="the loop holds beside the iteration"):
         _hold_batches("30%", 4, 9)
+
+
+def test_batches_made_before_the_block_are_not_the_budget_s():
+    # as torch.cuda.max_memory_allocated less what was allocated when the block opened
+    run = _hold_batches("30%", 4, 9, made_inside=False)
+    s = run.stats
+    assert s.held_device_bytes == 0 and s.held_replans == 0
+    assert s.planned_steps >= 6 and s.peak_device_bytes_planned <= s.budget_bytes
+    assert all(t.bytes == 0 for t in run.trace.tensors if t.external and t.kind == "input")
 
 
 # -- memory outside the runtime's tensors, before a plan keeps it free -------------------------

@@ -433,7 +433,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     self._check_held()  # the loop holds more than when profiled: profile again
                 self._begin()
                 for i, x in enumerate(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
-                    e = self._entry(x)
+                    e = self._entry(x, counted=False)
                     if e is not None and e.kind == "temporary":
                         self._label(e, "input", f"input:{i}", f"input{i}")
             finally:
@@ -619,7 +619,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         special = _op_kind(func, name)
         if special == 2 and self._foreign:  # FSDP has just re-allocated what this op fills
             self._sync_foreign()
-        ins = [e for e in (self._entry(t) for t in tensors) if e is not None]
+        ins = [e for e in (self._entry(t, counted=False) for t in tensors) if e is not None]
         in_iter = self._in_iter
         i = self._op if in_iter else -1
         following = in_iter and self._follows()
@@ -808,7 +808,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             except (RuntimeError, NotImplementedError):  # no storage
                 continue
             if e is None:
-                e = entry(t)  # first sight (an input of the iteration)
+                e = entry(t, None, False)  # first sight: made before the block (see StorageTracking._entry)
             ins.append(e)
             if e.state is not RESIDENT:
                 away += e.nbytes
@@ -912,6 +912,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def _resized(self, e: _Entry) -> int:
         """Account a resident storage an op resized; the bytes it grew by."""
         n = e.ref().nbytes()
+        if not e.counted:  # (resized inside the block: its bytes are the budget's from now on)
+            e.counted = True
+            self._device_bytes += e.nbytes
         self._device_bytes += n - e.nbytes
         grown = max(0, n - e.nbytes)
         e.top = max(e.top, e.nbytes)

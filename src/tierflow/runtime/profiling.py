@@ -193,12 +193,11 @@ class Profiling:
             )
 
     def _held_entries(self) -> list:
-        """Storages on the device, between iterations, that no plan can move: what the
-        loop holds from earlier iterations (the batches it keeps, a loss or an output
-        it has not let go of). Parameters, optimizer state and gradients are the plan's."""
+        """Storages on the device, between iterations, that no plan can move: the
+        batches of earlier iterations the loop keeps (made inside the block: those made
+        before it are not the budget's, see StorageTracking._entry)."""
         return [e for e in self._entries.values()
-                if e.state is RESIDENT and e.kind in ("input", "temporary", "activation") and not e.foreign
-                and e.ref() is not None]
+                if e.external and e.counted and e.state is RESIDENT and not e.foreign and e.ref() is not None]
 
     def _check_held(self) -> None:
         """Before a planned iteration: if the loop now holds more device memory than when
@@ -257,7 +256,9 @@ class Profiling:
                     held = n_ops - 1 if kind != "gradient" else None  # still alive when the iteration ended
                 elif i in self._freed_at:
                     held = last_kept(self._freed_at[i])
-            tensors.append(TensorInfo(i, int(max(e.nbytes, e.top)), kind, persistent, e.name, e.key,
+            # (a storage made before the block is not the budget's: no bytes in the plan's count)
+            size = int(max(e.nbytes, e.top)) if e.counted else 0
+            tensors.append(TensorInfo(i, size, kind, persistent, e.name, e.key,
                                       held if held is not None and held >= 0 else None, external))
         rec = self._rec
         timing = "measured"

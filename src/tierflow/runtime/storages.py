@@ -53,6 +53,9 @@ class _Entry:
     top: int = 0  # largest size seen (a foreign storage's size changes under us)
     external: bool = False  # made before an iteration, held by the user's loop: never moved
     unplanned: bool = False  # away because the budget forced an eviction the plan did not make
+    # counted against the budget: False for a storage made before the block opened and
+    # first seen as an op's input (the user's data; never moved, see StorageTracking._entry)
+    counted: bool = True
     # host steps (runtime/host_step.py): the host buffer that is this storage's home off
     # the device (a host-stepped parameter's master copy, its gradient's buffer): while
     # away in it the tier is "home"; synced: the device bytes equal the home's
@@ -272,9 +275,13 @@ def _leaves(obj: Any) -> list[torch.Tensor]:
 class StorageTracking:
     """Storage records and labels (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
-    def _entry(self, t: torch.Tensor, produced_by: str | None = None) -> _Entry | None:
+    def _entry(self, t: torch.Tensor, produced_by: str | None = None, counted: bool = True) -> _Entry | None:
         """The entry of ``t``'s storage (made on first sight), or None if it is not on the
-        device or has no storage."""
+        device or has no storage. ``counted=False`` where ``t`` is an op's input: a
+        storage first seen so was not made by any op inside the block (every op there
+        runs through the mode) but before it (the user's batches, made ahead): like
+        what ``torch.cuda.max_memory_allocated`` held when the block opened, it is not
+        the budget's (the model's state is, labelled when the block opens)."""
         if getattr(t, self._dev_attr) is not True:  # is_cpu / is_cuda: cheaper than t.device
             return None
         if type(t) not in _PLAIN:
@@ -289,17 +296,18 @@ class StorageTracking:
             self._retire(e)
             e = None
         if e is None:
-            e = self._new_entry(st, cdata, produced_by or "<pre-existing>")
+            e = self._new_entry(st, cdata, produced_by or "<pre-existing>", counted)
         return e
 
-    def _new_entry(self, st: torch.UntypedStorage, cdata: int, name: str) -> _Entry:
-        """Start tracking storage ``st`` (at address ``cdata``): accounted on the device,
-        its death reported through a weak reference."""
+    def _new_entry(self, st: torch.UntypedStorage, cdata: int, name: str, counted: bool = True) -> _Entry:
+        """Start tracking storage ``st`` (at address ``cdata``): accounted on the device
+        (where ``counted``), its death reported through a weak reference."""
         n = st.nbytes()
         e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata: self._dead.append(c)), name=name,
-                   resizable=st.resizable())
+                   resizable=st.resizable(), counted=counted)
         self._entries[cdata] = e
-        self._device_bytes += n
+        if counted:
+            self._device_bytes += n
         return e
 
     def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
@@ -308,7 +316,7 @@ class StorageTracking:
         e.kind, e.key, e.name = kind, key, name
         if e.persistent:
             self._by_key[key] = e
-        if kind in OWNED and e.state == RESIDENT and e.resizable and not e.external:
+        if kind in OWNED and e.state == RESIDENT and e.resizable and not e.external and e.counted:
             self._lru[e.cdata] = e
 
     def _label_opt_state(self) -> None:
@@ -343,7 +351,9 @@ class StorageTracking:
         if self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
             seq = self._saved_seq
             self._saved_seq = seq + 1
-            e = self._entry(t, "saved")
+            # (autograd saves before the op reaches the mode: a storage new here is an
+            # input made before the block, the target a loss saves, say)
+            e = self._entry(t, "saved", counted=False)
             if e is not None and e.kind == "temporary":
                 self._label(e, "activation", f"saved:{seq}", f"saved{seq}")
         # not t: an output saved by its own grad_fn would tie graph and output in a cycle.
@@ -418,7 +428,8 @@ class StorageTracking:
         if e.foreign and self._foreign.get(c) is e:
             del self._foreign[c]
         if e.state is RESIDENT:
-            self._device_bytes -= e.nbytes
+            if e.counted:
+                self._device_bytes -= e.nbytes
         elif e.state == "dropped":  # (for recompute: no bytes anywhere)
             self._dropped_in.pop(c, None)
         else:  # died while away: give its slots back
@@ -473,6 +484,10 @@ class StorageTracking:
         parameters with ``untyped_storage().resize_``): never move it, keep its size."""
         if e.foreign:
             return
+        if not e.counted:  # (its owner resizes it inside the block: its bytes are the budget's)
+            e.counted = True
+            if e.state is RESIDENT:
+                self._device_bytes += e.nbytes
         e.foreign, e.resizable = True, False
         self._lru.pop(e.cdata, None)
         self._foreign[e.cdata] = e
