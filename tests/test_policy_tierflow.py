@@ -517,3 +517,18 @@ def test_peer_whose_simulation_fails_is_skipped(monkeypatch):
     plan = make_plan("tierflow", trace, hw, budget=budget)
     assert not plan.policy.startswith("zero") and plan.meta["seed"] not in ("zero_offload", "zero_infinity")
     assert not {"zero_offload", "zero_offload+checkpoint", "zero_infinity"} & set(plan.meta["peer_scores"])
+
+
+def test_reactive_false_keeps_to_planned_seeds_where_one_fits():
+    # on this captured trace and machine a g10 seed (hints to a demand pager) wins; the
+    # runtime asks for reactive=False, and gets the best planned seed instead
+    from tierflow.capture import zoo_trace
+
+    trace, hw = zoo_trace("vit-tiny"), load_hardware("cpu-dram-pmem")
+    budget = 0.5 * trace.peak_live_bytes
+    hints = make_plan("tierflow", trace, hw, budget=budget, levers="move")
+    assert hints.reactive and hints.meta["seed"].startswith("g10")
+    plan = make_plan("tierflow", trace, hw, budget=budget, levers="move", reactive=False)
+    assert not plan.reactive and not plan.meta["seed"].startswith("g10")
+    validate(plan, trace, hw)
+    assert simulate(trace, hw, plan).peak_bytes[hw.device] <= budget
