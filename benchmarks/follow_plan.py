@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 import tierflow
-from tierflow.capture import zoo
 
 _HERE = Path(__file__).resolve().parent
 
@@ -40,16 +39,8 @@ def _outside():
     return mod
 
 
-def _build(name: str, outside):
-    if name in outside.NAMES:
-        return outside.build(name)
-    b = zoo.build(name)
-    batch = zoo.spec(name).batch
-    return b.model, (lambda i: b.make_batch(batch)), b.loss_fn
-
-
 def measure(name: str, budget: str, *, steps: int, batches: int, outside) -> dict:
-    model, make_batch, loss_fn = _build(name, outside)
+    model, make_batch, loss_fn = outside.any_model(name)
     opt = torch.optim.AdamW(model.parameters())
     data = [make_batch(i) for i in range(batches)]
     rows, last = [], None
@@ -71,6 +62,8 @@ def measure(name: str, budget: str, *, steps: int, batches: int, outside) -> dic
         "moves": len(plan.moves) if plan else 0,
         "predicted_faults": run.prediction.faults if run.prediction is not None else None,
         "planned_steps_measured": len(rows),
+        "fetches": [r[0] for r in rows],
+        "stalls": s.stalls,
         "fetches_per_step": statistics.median(r[0] for r in rows) if rows else None,
         "fetches_max": max((r[0] for r in rows), default=None),
         "unplanned_evictions_per_step": statistics.median(r[1] for r in rows) if rows else None,

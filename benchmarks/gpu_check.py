@@ -121,25 +121,29 @@ class Guard:
     that raises is recorded in ``errors`` (traceback on stderr) and the check goes on."""
 
     limit_s: float
+    estimates: dict[str, float] = field(default_factory=dict)  # seconds a row of a kind takes, until one has run
     start: float = field(default_factory=time.monotonic)
     longest: dict[str, float] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
+    def left(self) -> float:
+        return self.limit_s - (time.monotonic() - self.start)
+
     def run(self, kind: str, label: str, fn: Any) -> Any:
-        need, left = self.longest.get(kind, 0.0), self.limit_s - (time.monotonic() - self.start)
+        need, left = self.longest.get(kind, self.estimates.get(kind, 0.0)), self.left()
         if left <= need:
-            self.skipped.append(f"{kind} {label}: skipped ({left:.0f} s left, a {kind} row took {need:.0f} s)")
+            self.skipped.append(f"{kind} {label}: skipped ({left:.0f} s left, a {kind} row takes {need:.0f} s)")
             return None
         t0 = time.monotonic()
         try:
             return fn()
         except Exception as e:  # one failed row (an OOM, a bug) must not lose the others
             traceback.print_exc()
-            self.errors.append(f"{kind} {label}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            self.errors.append(f"{kind} {label}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             return None
         finally:
-            self.longest[kind] = max(need, time.monotonic() - t0)
+            self.longest[kind] = max(self.longest.get(kind, 0.0), time.monotonic() - t0)
 
 
 def sync(dev: torch.device) -> None:

@@ -595,36 +595,7 @@ def trainer_row(w: Workload, s: Settings, tmp: Path) -> dict[str, Any]:
 
 
 # -- the run ----------------------------------------------------------------------------------
-@dataclass
-class Guard:
-    """Runs rows until ``limit_s`` would be overrun; a row that raises is recorded."""
-
-    limit_s: float
-    estimates: dict[str, float]
-    start: float = field(default_factory=time.monotonic)
-    longest: dict[str, float] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    def left(self) -> float:
-        return self.limit_s - (time.monotonic() - self.start)
-
-    def run(self, kind: str, label: str, fn: Callable[[], Any]) -> Any:
-        need = self.longest.get(kind, self.estimates.get(kind, 0.0))
-        left = self.left()
-        if left <= need:
-            self.skipped.append(f"{kind} {label}: skipped ({left:.0f} s left, a {kind} row takes {need:.0f} s)")
-            return None
-        t0 = time.monotonic()
-        try:
-            return fn()
-        except Exception as e:  # one failed row (an OOM, a bug) must not lose the others
-            traceback.print_exc()
-            self.errors.append(f"{kind} {label}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-            return None
-        finally:
-            dt = time.monotonic() - t0
-            self.longest[kind] = max(self.longest.get(kind, 0.0), dt)
+Guard = check.Guard  # (rows run until the time limit would be overrun; see gpu_check.py)
 
 
 class Results:

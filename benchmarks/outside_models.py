@@ -112,3 +112,16 @@ def build(name: str, *, batch: int = 4, seed: int = 0, device: str | torch.devic
                 torch.randint(0, 10, (batch,), generator=g).to(device))
 
     return model, make_batch, F.cross_entropy
+
+
+def any_model(name: str, *, seed: int = 0):
+    """``(model, make_batch, loss_fn)`` for ``name``, one of :data:`NAMES` or a zoo
+    model (``tierflow.capture.zoo``, at its default batch): the checks that run both
+    kinds take them alike."""
+    if name in NAMES:
+        return build(name, seed=seed)
+    from tierflow.capture import zoo
+
+    built = zoo.build(name, seed=seed)
+    batch = zoo.spec(name).batch
+    return built.model, (lambda i: built.make_batch(batch)), built.loss_fn

@@ -209,3 +209,20 @@ def assert_training_equal(a, b) -> None:
             assert torch.equal(oa.state[p][k], v), k
     for (name, x), (_, y) in zip(ma.named_buffers(), mb.named_buffers()):
         assert torch.equal(x, y), name
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package),
+    loaded once and registered under ``name`` so that the scripts that import one
+    another (gpu_suite imports gpu_check) find it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

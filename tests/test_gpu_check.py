@@ -4,26 +4,15 @@ the zoo model, train exactly as the plain model does."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import load_benchmark
 from tierflow.capture import zoo
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gpu_check = _load()
+gpu_check = load_benchmark("gpu_check")
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +104,7 @@ def test_deterministic_context_sets_and_restores_the_flags():
 
 
 # -- gpu_check.py --out: the issue rows (benchmarks/gpu_suite.py), CPU dry run ---------------
-def _load_suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gpu_suite = _load_suite()
+gpu_suite = load_benchmark("gpu_suite")
 
 
 @pytest.fixture(scope="module")

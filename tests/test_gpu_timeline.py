@@ -5,24 +5,13 @@ copy, on a host synchronization and on the host's launches, on a synthetic event
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_timeline", REPO / "benchmarks" / "gpu_timeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_timeline"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tl = _load()
+tl = load_benchmark("gpu_timeline")
 G, H = tl.GpuSpan, tl.HostCall
 
 # (microseconds) four kernels on stream 7; copies on stream 20; one host sync

@@ -8,16 +8,12 @@ and two models outside the zoo (``benchmarks/outside_models.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from conftest import REPO
-from tierflow.capture import zoo
+from helpers import load_benchmark
 from tierflow.errors import PlanError, TraceError
 from tierflow.hardware import Compute, Hardware, Link, Tier
 from tierflow.plan import Move, Plan, validate
@@ -25,16 +21,7 @@ from tierflow.runtime import BudgetError, offload
 from tierflow.simulate import simulate
 from tierflow.trace import Op, TensorInfo, Trace
 
-
-def _load_outside():
-    spec = importlib.util.spec_from_file_location("outside_models", REPO / "benchmarks" / "outside_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["outside_models"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-outside = _load_outside()
+outside = load_benchmark("outside_models")
 MODELS = ("gpt-tiny", "bert-tiny", "vit-tiny", *outside.NAMES)
 
 
@@ -43,12 +30,7 @@ def _one_thread(one_thread):
     yield
 
 
-def _build(name: str):
-    if name in outside.NAMES:
-        return outside.build(name)
-    b = zoo.build(name)
-    batch = zoo.spec(name).batch
-    return b.model, (lambda i: b.make_batch(batch)), b.loss_fn
+_build = outside.any_model
 
 
 # -- the trace: held_until and external ------------------------------------------------------
@@ -149,47 +131,34 @@ def test_the_runtime_s_trace_holds_a_local_until_pytorch_frees_it():
 # -- planned steps follow the plan ------------------------------------------------------------
 
 
-def _train_planned(name: str, budget: str, steps: int = 8, batches: int = 2):
-    """Per planned iteration (the first after each plan left out: it starts from the
-    profile's residency), its on-demand fetches; and the run."""
-    model, make_batch, loss_fn = _build(name)
-    opt = torch.optim.AdamW(model.parameters())
-    data = [make_batch(i) for i in range(batches)]
-    per_step, last = [], (0, 0, 0)
-    with offload(model, opt, budget=budget) as run:
-        for k in range(steps):
-            x, y = data[k % batches]
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            s = run.stats
-            now = (s.planned_steps, s.stalls, s.replans)
-            if now[0] > last[0] and now[2] == last[2]:
-                per_step.append(now[1] - last[1])
-            last = now
-    return per_step[1:], run
+follow_plan = load_benchmark("follow_plan")
+
+
+def _planned(name: str, budget: str) -> dict:
+    """benchmarks/follow_plan.py's count: per planned step (the first after each plan
+    left out: it starts from the profile's residency), its on-demand fetches; the plan."""
+    return follow_plan.measure(name, budget, steps=8, batches=2, outside=outside)
 
 
 @pytest.mark.parametrize("budget", ["50%", "30%"])
 @pytest.mark.parametrize("name", MODELS)
 def test_on_demand_fetches_per_planned_step_stay_within_the_prediction(name, budget):
-    fetches, run = _train_planned(name, budget)
-    s, plan = run.stats, run.plan
-    assert fetches, f"{name} at {budget}: no planned step to measure ({s.policy}, {s.plan_error})"
-    assert not plan.reactive and s.plan_error is None
-    allowed = run.prediction.faults + max(1, len(plan.moves) // 100)
-    assert max(fetches) <= allowed, (fetches, run.prediction.faults, len(plan.moves), s.departures)
-    assert s.peak_device_bytes_planned <= s.budget_bytes
+    r = _planned(name, budget)
+    assert r["fetches"], f"{name} at {budget}: no planned step to measure ({r['policy']}, {r['plan_error']})"
+    assert r["reactive"] is False and r["plan_error"] is None
+    allowed = r["predicted_faults"] + max(1, r["moves"] // 100)
+    assert max(r["fetches"]) <= allowed, r
+    assert r["peak_over_budget"] <= 1
 
 
 def test_departures_are_counted_by_reason():
-    _, run = _train_planned("vit-tiny", "30%")
-    d = run.stats.departures
+    r = _planned("vit-tiny", "30%")
+    d = r["departures"]
     assert all(k.split(":")[0] in ("on-demand fetch", "eviction", "skipped move") for k in d)
     # (gradients live until zero_grad, past their last use, which the plan counts free)
     assert d.get("eviction: a gradient held past its last use, for a planned prefetch", 0) > 0
     fetched = sum(v for k, v in d.items() if k.startswith("on-demand fetch"))
-    assert fetched <= run.stats.stalls
+    assert fetched <= r["stalls"]
 
 
 # -- what the loop holds ----------------------------------------------------------------------

@@ -4,15 +4,13 @@ and a clean error at planning where the host cannot hold what the plan needs."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import assert_training_equal
+from helpers import assert_training_equal, load_benchmark
 from tierflow.runtime import OffloadError, offload, tiers
 from tierflow.runtime.tiers import CHUNK_BYTES, PAGE, Arena, HostPool
 
@@ -21,12 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _outside_models():
-    if "outside_models" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("outside_models", REPO / "benchmarks" / "outside_models.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["outside_models"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["outside_models"]
+    return load_benchmark("outside_models")
 
 
 # -- the chunked arena ---------------------------------------------------------------------

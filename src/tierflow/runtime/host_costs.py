@@ -95,15 +95,7 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
         del a, b
         _retire_dead(run)
         run._iter_peak = saved["_iter_peak"]
-        for f in dataclasses.fields(saved_stats):  # in place: the user may hold run.stats
-            now, was = getattr(run.stats, f.name), getattr(saved_stats, f.name)
-            if isinstance(now, dict):
-                now.clear()
-                now.update(was)
-            elif isinstance(now, list):
-                now[:] = was
-            else:
-                setattr(run.stats, f.name, was)
+        run.stats.restore(saved_stats)
     return HostCosts(op_s, replay_s)
 
 

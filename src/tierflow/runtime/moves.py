@@ -218,7 +218,6 @@ class Moves:
         it per transfer (``Hardware.move_issue_s``), so that the planner weighs many small
         moves against a few large ones. The run's stats are left as they were."""
         import copy
-        import dataclasses
 
         saved = copy.deepcopy(self.stats)
         with torch._C._DisableTorchDispatch():
@@ -241,17 +240,7 @@ class Moves:
             if e.state != RESIDENT:
                 self._fetch(e)
             self._reap(wait=True)
-            # (in place, dicts and lists too: the user may hold run.stats, and the copy
-            # layer shares its wait counts with stats.blocking_waits)
-            for f in dataclasses.fields(saved):
-                now, was = getattr(self.stats, f.name), getattr(saved, f.name)
-                if isinstance(now, dict):
-                    now.clear()
-                    now.update(was)
-                elif isinstance(now, list):
-                    now[:] = was
-                else:
-                    setattr(self.stats, f.name, was)
+            self.stats.restore(saved)
         return elapsed / (2 * rounds)
 
     def _bounce_alloc(self, n: int) -> int:

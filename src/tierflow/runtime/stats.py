@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,3 +170,17 @@ class RunStats:
         d = dict(self.__dict__)
         d["step_times_s"] = list(self.step_times_s)
         return d
+
+    def restore(self, saved: RunStats) -> None:
+        """Put back the figures of ``saved`` (a copy taken before a probe that must leave
+        no trace), in place: the user may hold this object, and the copy layer shares its
+        wait counts with ``blocking_waits``, so dicts and lists are refilled, not replaced."""
+        for f in dataclasses.fields(saved):
+            now, was = getattr(self, f.name), getattr(saved, f.name)
+            if isinstance(now, dict):
+                now.clear()
+                now.update(was)
+            elif isinstance(now, list):
+                now[:] = was
+            else:
+                setattr(self, f.name, was)
