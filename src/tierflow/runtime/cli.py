@@ -148,6 +148,8 @@ def _train(args: argparse.Namespace) -> int:
         ("planned moves / unplanned evictions", f"{s.planned_moves} / {s.unplanned_evictions}"),
         ("stale plans / plans made", f"{s.stale_plans} / {s.replans}"),
     ]
+    for reason, n in sorted(s.departures.items(), key=lambda kv: -kv[1])[:4]:  # where it left the plan
+        rows.append((f"left the plan: {reason}", str(n)))
     if s.host_steps:
         rows.append(("host optimizer steps (params, updates)",
                      f"{s.host_stepped_params}, {s.host_steps}: {fmt_seconds(s.host_step_s)} on the host, "
