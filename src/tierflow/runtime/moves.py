@@ -206,10 +206,12 @@ class Moves:
         so that the planner weighs many small moves against a few large ones. The run's
         stats, tables and queues are left as they were.
 
-        NOTE: an earlier probe timed ``_evict`` and ``_fetch`` alone, one storage in a
-        tight loop: 5-7 us a move on the 2-core VM, where a planned move in a followed
-        iteration cost 12-15 us (the move table's loop, the prefetch queue, other
-        storages' bookkeeping between moves)."""
+        NOTE: it still runs warm, in a tight loop: on the 2-core VM it gives 5-9 us at
+        the first plan (3.5-4 us when run again later), about what ``_evict`` and
+        ``_fetch`` cost per call in a followed iteration (less their bytes), while each
+        planned move there adds more to the step (the move table's loop, the queue, the
+        pager's unplanned work, caches the copies evict): BENCHMARKS.md, "CPU-mode
+        prediction"."""
         import copy
         import dataclasses
         from collections import deque
