@@ -81,6 +81,50 @@ def test_cpu_mode_prices_each_move_and_the_probe_leaves_no_trace():
         assert run._device_bytes == sum(e.nbytes for e in run._entries.values() if e.state == "resident" and e.counted)
 
 
+def test_the_move_probe_times_the_planned_path_and_puts_everything_back(monkeypatch):
+    """The move cost the CPU-mode model charges is timed through the code a planned move
+    takes on the lean path: the per-op move table (``_fire``) and, for a prefetch, the
+    queue of prefetches waiting for room (``_issue_pending``); the plan's tables, its
+    queue, the budget, the LRU order, the device count and the stats are as before."""
+    import copy
+
+    import torch
+
+    from tierflow import offload
+    from tierflow.capture import zoo
+    from tierflow.runtime.executor import Run
+
+    built = zoo.build("gpt-tiny", seed=0)
+    net = built.model
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+    x, y = built.make_batch(zoo.spec("gpt-tiny").batch, None)
+    with offload(net, opt, budget="50%") as run:
+        for _ in range(3):
+            built.loss_fn(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert run.stats.planned_steps >= 1 and run._actions
+        calls = {"_fire": 0, "_issue_pending": 0}
+        for name in calls:
+            real = getattr(Run, name)
+
+            def counted(self, *a, _real=real, _name=name, **k):
+                calls[_name] += 1
+                return _real(self, *a, **k)
+
+            monkeypatch.setattr(Run, name, counted)
+        run._reap()
+        before = (run._actions, run._iter_entries, list(run._pending), run.budget, list(run._lru),
+                  run._device_bytes, copy.deepcopy(run.stats))
+        cost = run._probe_move_s(rounds=4, tensors=3)
+        assert 0 < cost < 0.01
+        assert calls["_fire"] == 4 * 6 and calls["_issue_pending"] >= 4 * 3
+        after = (run._actions, run._iter_entries, list(run._pending), run.budget, list(run._lru),
+                 run._device_bytes, run.stats)
+        assert after[0] is before[0] and after[1] is before[1] and after[2:5] == before[2:5]
+        assert after[5] == before[5] and after[6] == before[6]
+
+
 def test_no_budget_moves_nothing_even_where_host_steps_look_faster():
     """Without a budget the iteration fits, so tierflow's plan moves nothing. The joint
     planner, left to itself (a work budget too small for the move-only pipeline to
