@@ -18,7 +18,7 @@ setting of the :class:`Knobs`): which idle gaps leave the device, when and to wh
    gaps long enough for a slow tier (``ssd_slack`` times its round trip) try the slowest
    tier first so the fast one stays free for short gaps.
 
-The pass is the lowest layer of the policy: it imports nothing else of it. The move-only
+The pass is a bottom layer of the policy: it imports no other module of it. The move-only
 pipeline (:mod:`.moves`) uses it as its first seed, the joint planner (:mod:`.joint`) to
 plan each lever variant's moves.
 """
