@@ -10,9 +10,10 @@ process) of both tierflow modes, which lever variant won, and the recompute and
 host-step records of the plan. Then the geometric means (G10).
 
 How the all-levers step is scored: by the simulator, on the mapped-back plan when the
-simulator prices ``Recompute``/``HostStep`` (``tierflow.policies._joint.LEVERS_SIMULATED``),
-otherwise on the lowered trace the plan was made on (re-run ops are real ops there,
-priced as any op; see ``_joint``): the ``scored`` column says which. Zoo models are
+simulator prices ``Recompute``/``HostStep``
+(``tierflow.policies.tierflow.joint.LEVERS_SIMULATED``), otherwise on the lowered trace
+the plan was made on (re-run ops are real ops there, priced as any op; see
+``tierflow.policies.tierflow.joint``): the ``scored`` column says which. Zoo models are
 captured on the meta device (op times from the roofline of the row's hardware); with
 ``--cache`` each trace is saved there on first use and read back afterwards.
 """
@@ -68,7 +69,7 @@ def _tierflow(trace, hw, budget, levers):
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     info = plan.meta.get("levers") or {}
     if plan.recomputes or plan.host_steps:
-        from tierflow.policies._joint import LEVERS_SIMULATED
+        from tierflow.policies.tierflow.joint import LEVERS_SIMULATED
 
         if LEVERS_SIMULATED:
             ratio, scored = simulate(trace, hw, plan).ratio, "simulated"

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from helpers import simple_hw
 from tierflow.errors import PlanError
 from tierflow.policies import make_plan, min_working_set, policy_names, replan
-from tierflow.policies._joint import LEVERS_SIMULATED
+from tierflow.policies.tierflow.joint import LEVERS_SIMULATED
 from tierflow.simulate import simulate
 from tierflow.synthetic import UPGRADES, training_trace, upgraded
 

@@ -99,7 +99,7 @@ def test_at_least_as_good_as_its_seeds(gpt, share):
 
 def test_repair_never_worsens_and_own_pass_is_planned(gpt):
     from tierflow.plan import Plan
-    from tierflow.policies._tierflow_loop import improve, simulate_score
+    from tierflow.policies.tierflow.loop import improve, simulate_score
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.35)
@@ -119,7 +119,7 @@ def test_room_repair_hints_evictions_after_last_use(gpt):
     # tensor's last use before the stalled op and before the op that stalled.
     import numpy as np
 
-    from tierflow.policies._tierflow_loop import _room_repairs, repair, simulate_score
+    from tierflow.policies.tierflow.loop import _room_repairs, repair, simulate_score
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.35)
@@ -141,7 +141,7 @@ def test_room_repair_hints_evictions_after_last_use(gpt):
 def test_work_budget_sizes_the_loop():
     # The portfolio and the repair loop are sized by simulated trace ops, not a clock:
     # a small trace gets the whole portfolio, a large one fewer seeds and repairs.
-    from tierflow.policies.tierflow import _G10_SEEDS, Budget
+    from tierflow.policies.tierflow.moves import _G10_SEEDS, Budget
 
     small, large = Budget.for_trace(1300, {}), Budget.for_trace(9600, {})
     assert small.g10_variants == len(_G10_SEEDS) and small.deeptm_episodes == 3
@@ -168,7 +168,7 @@ def test_work_budget_caps_repair_simulations(gpt):
 
 
 def test_targeted_repair_never_worsens(gpt):
-    from tierflow.policies._tierflow_loop import improve_targeted, simulate_score
+    from tierflow.policies.tierflow.loop import improve_targeted, simulate_score
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.35)
@@ -187,7 +187,7 @@ def test_wasted_prefetch_is_delayed_past_its_eviction(gpt):
     import numpy as np
 
     from tierflow.plan import Move, Plan
-    from tierflow.policies._tierflow_loop import _wasted_repairs, simulate_score
+    from tierflow.policies.tierflow.loop import _wasted_repairs, simulate_score
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.5)
@@ -251,7 +251,7 @@ def test_tier_repair_swaps_a_slow_arrival_with_a_fast_tier_stay(gpt):
     import numpy as np
 
     from tierflow.plan import Plan
-    from tierflow.policies._tierflow_loop import _tier_repairs, repair, simulate_score
+    from tierflow.policies.tierflow.loop import _tier_repairs, repair, simulate_score
 
     # A machine whose SSD has its own link to the GPU (GPUDirect), so that a tensor's
     # tier decides which copy engine it queues on (rtx4090-24g stages SSD traffic
@@ -281,7 +281,7 @@ def test_reorder_repair_delays_one_queued_eviction_within_the_budget(gpt):
     import numpy as np
 
     from tierflow.plan import Plan
-    from tierflow.policies._tierflow_loop import _reorder_repair, simulate_score
+    from tierflow.policies.tierflow.loop import _reorder_repair, simulate_score
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.35)
@@ -310,7 +310,7 @@ def test_loop_scores_a_planned_plan_as_simulate_does(gpt):
     # tensors whose gap wraps starting the iteration off the device (the validator says
     # which), not all on it.
     from tierflow.plan import Plan
-    from tierflow.policies._tierflow_loop import simulate_score
+    from tierflow.policies.tierflow.loop import simulate_score
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.35)
@@ -357,7 +357,7 @@ def test_queued_repair_issues_a_late_prefetch_ahead_of_its_queue():
     # earlier by its wait plus its lateness (the late repair moves it by its lateness
     # only, which here changes no op), and nothing else changes.
     from tierflow.plan import Plan
-    from tierflow.policies._tierflow_loop import repair, simulate_score
+    from tierflow.policies.tierflow.loop import repair, simulate_score
     from tierflow.synthetic import toy_hardware, training_trace
 
     trace = training_trace(3, [25, 60, 12, 57, 6, 38, 35, 54, 18, 55, 41, 54, 12, 46],
@@ -399,7 +399,7 @@ def test_spill_repair_brings_queued_ssd_stays_into_host_room(gpt):
     # SSD stays whose fetch queued move to the host where its simulated occupancy has
     # room; only the tier of their eviction and prefetch changes, the host never
     # overflows, and here the step gets shorter.
-    from tierflow.policies._tierflow_loop import _spill_repairs, repair, simulate_score
+    from tierflow.policies.tierflow.loop import _spill_repairs, repair, simulate_score
 
     trace, _ = gpt
     hw = load_hardware("a100-40g-pcie4-nvme")
@@ -438,7 +438,7 @@ def test_rehint_repair_hints_a_fault_after_an_eviction_hint(gpt):
     import numpy as np
 
     from tierflow.plan import Move, Plan
-    from tierflow.policies._tierflow_loop import repair, simulate_score
+    from tierflow.policies.tierflow.loop import repair, simulate_score
 
     trace, hw = gpt
     budget = int(trace.peak_live_bytes * 0.5)
@@ -503,17 +503,17 @@ def test_peers_needing_host_compute_are_skipped_where_the_machine_has_none():
 
 def test_peer_whose_simulation_fails_is_skipped(monkeypatch):
     from tierflow.errors import SimulationError
-    from tierflow.policies import _joint
+    from tierflow.policies.tierflow import joint
 
     trace, hw, budget = _zero_peer_case()
-    real = _joint.simulate_score
+    real = joint.simulate_score
 
     def refuse_host_steps(trace, hw, plan):
         if plan.host_steps and plan.policy.startswith("zero"):
             raise SimulationError("test: this peer cannot be simulated")
         return real(trace, hw, plan)
 
-    monkeypatch.setattr(_joint, "simulate_score", refuse_host_steps)
+    monkeypatch.setattr(joint, "simulate_score", refuse_host_steps)
     plan = make_plan("tierflow", trace, hw, budget=budget)
     assert not plan.policy.startswith("zero") and plan.meta["seed"] not in ("zero_offload", "zero_infinity")
     assert not {"zero_offload", "zero_offload+checkpoint", "zero_infinity"} & set(plan.meta["peer_scores"])

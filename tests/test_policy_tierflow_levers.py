@@ -14,7 +14,7 @@ from tierflow import PolicyError, load_hardware
 from tierflow.hardware import HostCompute
 from tierflow.plan import Move, Plan, Recompute
 from tierflow.policies import make_plan
-from tierflow.policies._levers import (
+from tierflow.policies.tierflow.levers import (
     check_recomputes,
     choose_recomputes,
     group,

@@ -45,10 +45,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import PlanError
-from ..hardware import Hardware
-from ..plan import Move, Plan, validate
-from ..trace import Trace
+from ...errors import PlanError
+from ...hardware import Hardware
+from ...plan import Move, Plan, validate
+from ...trace import Trace
 
 
 def simulate_score(trace: Trace, hw: Hardware, plan: Plan):
@@ -59,7 +59,7 @@ def simulate_score(trace: Trace, hw: Hardware, plan: Plan):
     gap that wraps), and without it they would all start on it. Skipping it scored
     Llama-7B's singa plan 0.764 where the plan really runs at 0.733 (and ranked it above
     deeptm's, really 0.7335)."""
-    from ..simulate import simulate
+    from ...simulate import simulate
 
     try:
         res = simulate(trace, hw, plan, check_plan=not plan.reactive)

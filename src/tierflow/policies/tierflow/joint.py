@@ -2,7 +2,7 @@
 
 How the levers are chosen together (:func:`plan_joint`):
 
-1. **Candidates** (:mod:`._levers`): every activation forward makes and backward reads
+1. **Candidates** (:mod:`.levers`): every activation forward makes and backward reads
    again that pure forward ops can re-create (its *recompute option*: chain, compute
    seconds, bytes), and every unit of optimizer work that can run on the host (its
    *host-step option*: gradient bytes down, parameter bytes up, host bytes processed,
@@ -11,7 +11,7 @@ How the levers are chosen together (:func:`plan_joint`):
    computes) with a ladder of recompute prices:
    an option is worth taking where it frees bytes faster, per second of compute, than
    ``m`` times the fastest link carries them, for ``m`` in ``_LADDER`` (16, 4, 1; no
-   recompute beside host steps). For each, :func:`._levers.choose_recomputes` takes
+   recompute beside host steps). For each, :func:`.levers.choose_recomputes` takes
    options cheapest per byte first where the live curve (what the host steps leave) is
    still over the budget, so recompute goes only where memory is short and only as far
    as it is; the movers then carry what is left. Each price is tried twice: with a
@@ -20,15 +20,20 @@ How the levers are chosen together (:func:`plan_joint`):
    gpt2-large b8 that won at 4x before the loop), and with every host step beside it
    and beside the next cheaper price (host steps free memory for the whole iteration,
    so less recompute may do). Each variant is lowered
-   (:func:`._levers.lower`: the trace as those levers leave it), planned with
-   tierflow's own greedy mover and simulated.
+   (:func:`.levers.lower`: the trace as those levers leave it), planned with
+   tierflow's own greedy pass (:func:`.greedy.greedy_moves`) and simulated.
 3. **Closed loop.** The best variants by that score (at most ``_LOOPS``, each only
    where it can still win: see :func:`plan_joint`) get the whole move-only pipeline
-   (:func:`.tierflow.plan_moves`: portfolio seeds and the simulator-driven repairs) on
+   (:func:`.moves.plan_moves`: portfolio seeds and the simulator-driven repairs) on
    their lowered trace, and the best plan is mapped back to the original trace's ids
    with the recompute and host-step records. On traces small enough for the work
    budget (G10's workloads) the move-only pipeline also runs on the original trace and
    the faster plan wins, so the levers never cost a plan that moving alone had.
+4. **Peers as seeds.** The plans of the peers users run today (checkpointing,
+   ZeRO-Offload, ...: ``_PEERS``, each where it can plan and this machine can run it,
+   see :func:`_peer_seeds`) are simulated on the original trace and compete too; where
+   one leads, the repair loop (:mod:`.loop`) repairs it, so tierflow is never behind a
+   peer by construction.
 
 Scoring. A variant is scored by the simulator on the *lowered* trace, whose re-run
 ops are real ops on the compute stream (their time and their outputs' memory counted
@@ -45,12 +50,13 @@ import time
 
 import numpy as np
 
-from ..errors import PlanError
-from ..hardware import Hardware
-from ..plan import Plan, validate
-from ..trace import Trace
-from . import PolicyOptions
-from ._levers import (
+from ...errors import PlanError, PolicyError, SimulationError
+from ...hardware import Hardware
+from ...plan import Plan, validate
+from ...trace import Trace
+from .. import PolicyOptions, get_policy, policy_names
+from .greedy import DEFAULT_KNOBS, greedy_moves
+from .levers import (
     Lowered,
     choose_recomputes,
     group,
@@ -59,7 +65,8 @@ from ._levers import (
     recompute_options,
     reserve_for_moves,
 )
-from ._tierflow_loop import gains, simulate_score
+from .loop import gains, improve, improve_targeted, simulate_score
+from .moves import WORK_OPS, plan_moves
 
 # Recompute prices tried, as multiples of the fastest link's bandwidth: an option is
 # taken if it frees bytes at least this many times faster per second of compute than
@@ -129,13 +136,11 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         move_plan: the move-only pipeline's plan for ``trace``, if already made (it
             competes on traces small enough, see ``_BOTH_PIPELINES``).
     """
-    from .tierflow import _GRID, _build, plan_moves
-
     t0, c0 = time.perf_counter(), time.process_time()
     opts = dict(options.extra or {})
     budget = options.budget_bytes
     ideal = trace.ideal_s * (1 + 1e-9)
-    per = int(opts.get("work_ops", 70_000)) // max(trace.n_ops, 1)
+    per = int(opts.get("work_ops", WORK_OPS)) // max(trace.n_ops, 1)
     if move_plan is None and per >= _BOTH_PIPELINES:
         move_plan = plan_moves(trace, hw, options)
     if move_plan is not None and move_plan.meta.get("predicted_step_s", float("inf")) <= ideal:
@@ -165,7 +170,7 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
             return None
         seen.add(key)
         low = lower(trace, group(chosen, trace), hs)
-        plan = Plan("tierflow", _build(low.trace, hw, budget, _GRID[0], opts), budget_bytes=budget)
+        plan = Plan("tierflow", greedy_moves(low.trace, hw, budget, DEFAULT_KNOBS, opts), budget_bytes=budget)
         score = _score(low, hw, plan)  # inf where it does not validate (no fallback:
         # a variant the own pass cannot fit loses; moving alone is the fallback)
         price = "none" if mult is None else ("any" if mult == 0 else f"{mult:g}x")
@@ -220,7 +225,7 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
     best_score = min([m_score] + [v.score for v in variants])
     loops = 0
     # the loops share one work budget (each its part), so that two cost what one did
-    loop_options = PolicyOptions(budget, options.seed, {**opts, "work_ops": int(opts.get("work_ops", 70_000)) // _LOOPS})
+    loop_options = PolicyOptions(budget, options.seed, {**opts, "work_ops": int(opts.get("work_ops", WORK_OPS)) // _LOOPS})
     for v in sorted(variants, key=lambda v: (round(v.lowered.trace.ideal_s, 9), round(v.score, 9), variants.index(v))):
         if loops >= _LOOPS:
             break
@@ -261,8 +266,6 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
             if gains(p_score, score):
                 plan, score, seed = p_plan, p_score, name
         if seed in peer_scores:
-            from ._tierflow_loop import improve, improve_targeted, simulate_score
-
             rounds = max(per, 1)
             s0, res = simulate_score(trace, hw, plan)
             s1, p1, r1, used = improve(trace, hw, plan, s0, res, min(12, rounds // 2))
@@ -318,9 +321,6 @@ def _peer_seeds(trace: Trace, hw: Hardware, options: PolicyOptions):
     plan's host steps where the hardware has no host compute model (the runtime removes
     it on CUDA, where host steps are off by default, but the ZeRO peers step on the host
     by construction), or a plan the simulator refuses."""
-    from ..errors import PolicyError, SimulationError
-    from . import get_policy, policy_names
-
     present = set(policy_names())
     for name in _PEERS:
         if name not in present:

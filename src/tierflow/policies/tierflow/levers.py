@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..hardware import Hardware
-from ..plan import HostStep, Move, Plan, Recompute
-from ..trace import Op, TensorInfo, Trace
+from ...hardware import Hardware
+from ...plan import HostStep, Move, Plan, Recompute
+from ...trace import Op, TensorInfo, Trace
 
 # kinds whose tensors forward makes and backward reads again (what checkpointing drops)
 _RECOMPUTABLE_KINDS = ("activation", "temporary")
