@@ -81,3 +81,13 @@ def test_room_still_being_copied_out_is_waited_for(late_copies):
     assert s.blocking_waits.get("eviction in flight", 0) > 0, s.blocking_waits
     assert late_copies["synchronized"] > 0
     assert s.peak_device_bytes <= s.budget_bytes
+
+
+def test_a_prefetch_still_in_flight_at_its_use_is_counted_late(late_copies):
+    """A planned prefetch whose copy in has not landed when an op uses the tensor is a
+    stall the GPU sees (the compute stream waits on it): counted by reason."""
+    res = train("gpt-tiny", budget="30%", steps=5, check_parity=True)
+    s = res.stats
+    assert res.parity, res.parity_detail
+    late = {k: v for k, v in s.departures.items() if k.startswith("late prefetch")}
+    assert s.planned_steps >= 2 and sum(late.values()) > 0, s.departures

@@ -154,7 +154,7 @@ def test_on_demand_fetches_per_planned_step_stay_within_the_prediction(name, bud
 def test_departures_are_counted_by_reason():
     r = _planned("vit-tiny", "30%")
     d = r["departures"]
-    assert all(k.split(":")[0] in ("on-demand fetch", "eviction", "skipped move") for k in d)
+    assert all(k.split(":")[0] in ("on-demand fetch", "eviction", "late prefetch", "skipped move") for k in d)
     # (gradients live until zero_grad, past their last use, which the plan counts free)
     assert d.get("eviction: a gradient held past its last use, for a planned prefetch", 0) > 0
     fetched = sum(v for k, v in d.items() if k.startswith("on-demand fetch"))

@@ -327,6 +327,10 @@ class Moves:
                 self.stats.stalls += 1
                 self.stats.stall_s += time.perf_counter() - t0
         if e.arrival is not None:
+            # CUDA: the compute stream waits for the copy in (no host wait); a copy still
+            # running here is a prefetch that lands late, a stall the GPU sees
+            if self._in_iter and self._planned and not self._stale and not Copier.done(e.arrival):
+                self._depart("late prefetch: its copy in had not landed at its use (the GPU waits)")
             self._copier.wait(e.arrival)
             e.arrival = None
 

@@ -48,7 +48,8 @@ class RunStats:
             count per reason: ``"on-demand fetch: ..."`` (evicted beyond the plan, its
             planned prefetch waited for room, away with no prefetch issued before the
             use), ``"eviction: ..."`` (room an op needed beyond the plan; a gradient
-            held past its last use, for a planned prefetch) and ``"skipped move: ..."``.
+            held past its last use, for a planned prefetch), ``"late prefetch: ..."``
+            (CUDA: a copy in still running at the tensor's use) and ``"skipped move: ..."``.
         tier_fallbacks: moves sent to host because the plan's tier is missing or full.
         planned_slots: evictions placed at the offset the pool planner laid out for
             them in the host pool or SSD file (the rest took the first free slot: a move
