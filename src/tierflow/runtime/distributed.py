@@ -61,10 +61,11 @@ def _digest(obj: Any) -> str:
 
 
 def trace_digest(trace: Any) -> str:
-    """A digest of what the planner sees of a trace except measured times: every op's
-    name, phase, inputs and outputs, every tensor's size, kind, persistence and key."""
+    """A digest of what the planner sees of a trace except what timing decides (measured
+    times, when a storage was really freed): every op's name, phase, inputs and
+    outputs, every tensor's size, kind, persistence, key and whether it is external."""
     ops = [(o.name, o.phase, list(o.inputs), list(o.outputs)) for o in trace.ops]
-    tensors = [(t.bytes, t.kind, t.persistent, t.key) for t in trace.tensors]
+    tensors = [(t.bytes, t.kind, t.persistent, t.key, t.external) for t in trace.tensors]
     return _digest([ops, tensors])
 
 

@@ -323,7 +323,14 @@ class Profiling:
         if self.device.type == "cpu" and self._hardware_arg is None:
             self._copy_bw = sync.min(_measure_copy_bw(self.device))
         ops = tuple(replace(o, duration_s=d) for o, d in zip(trace.ops, slowest))
-        return Trace(ops, trace.tensors, name=trace.name,
+        # NOTE: when a storage is really freed depends on timing (a collective's buffers
+        # go when its Work completes): every rank holds each tensor as long as the rank
+        # that held it longest, and keeps free the most any rank's loop holds
+        held = sync.slowest([float(-1 if t.held_until is None else t.held_until) for t in trace.tensors]
+                            + [float(self._held_reserve)])
+        self._held_reserve = int(held[-1])
+        tensors = tuple(replace(t, held_until=int(h) if h >= 0 else None) for t, h in zip(trace.tensors, held))
+        return Trace(ops, tensors, name=trace.name,
                      meta=dict(trace.meta, timing=f"measured, slowest of {sync.world_size} ranks"))
 
     def _hardware_for(self, trace: Trace) -> Hardware:
