@@ -81,6 +81,7 @@ from .recompute import DROPPED, Recomputing, rng_states
 from .stats import RunStats
 from .storages import (
     _PLAIN,
+    LOOP_KINDS,
     RESIDENT,
     StorageTracking,
     _Entry,
@@ -744,7 +745,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         its targets; see :attr:`tierflow.trace.TensorInfo.external`): no plan moves it,
         so neither does the pager (it would be fetched back on demand when the loop
         comes back to that batch)."""
-        if e.kind in ("input", "temporary", "activation") and not e.foreign:
+        if e.kind in LOOP_KINDS and not e.foreign:
             e.external = True
             self._lru.pop(e.cdata, None)
 
@@ -912,9 +913,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def _resized(self, e: _Entry) -> int:
         """Account a resident storage an op resized; the bytes it grew by."""
         n = e.ref().nbytes()
-        if not e.counted:  # (resized inside the block: its bytes are the budget's from now on)
-            e.counted = True
-            self._device_bytes += e.nbytes
+        self._make_counted(e)  # (resized inside the block)
         self._device_bytes += n - e.nbytes
         grown = max(0, n - e.nbytes)
         e.top = max(e.top, e.nbytes)

@@ -27,6 +27,7 @@ from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
 from .storages import (
+    LOOP_KINDS,
     METADATA_ONLY,
     RESIDENT,
     _flat_tensor_args,
@@ -240,7 +241,7 @@ class Profiling:
             # memory from the iteration's start and cannot be moved: external, so that
             # no plan counts on moving it (each such move was skipped, and the room the
             # plan had counted on was made by unplanned evictions)
-            external = i in self._first_in and (e.kind in ("input", "temporary", "activation") or e.foreign)
+            external = i in self._first_in and (e.kind in LOOP_KINDS or e.foreign)
             # NOTE: PyTorch frees a storage when its last reference goes, not at its last
             # use: a Python local, autograd's buffers, every .grad until zero_grad. The
             # memory is held until then, and a plan that counts it freed at its last use
@@ -470,7 +471,6 @@ class Profiling:
         need, op = min_working_set(trace)
         if need > plan_budget:
             reserve = self.stats.untracked_device_bytes
-            held = self.stats.held_device_bytes
             outside = " and ".join(
                 ([f"{fmt_bytes(reserve)} of device memory in use outside tierflow's tensors (cuBLAS's "
                   "workspaces, the allocator's rounding)"] if reserve else [])

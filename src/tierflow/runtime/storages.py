@@ -26,6 +26,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 RESIDENT, AWAY, INCOMING = "resident", "away", "incoming"
 OWNED = ("parameter", "gradient", "optimizer_state", "activation")
+# kinds of a storage the user's loop made and holds, when an iteration first sees it as an
+# op's input (the batch, its targets): external to the iteration (TensorInfo.external)
+LOOP_KINDS = ("input", "temporary", "activation")
 _RANK = {"parameter": 0, "optimizer_state": 1, "gradient": 2, "input": 3, "activation": 4, "temporary": 5}
 
 
@@ -310,6 +313,14 @@ class StorageTracking:
             self._device_bytes += n
         return e
 
+    def _make_counted(self, e: _Entry) -> None:
+        """A storage made before the block that the block now changes (resizes): its
+        bytes are the budget's from now on."""
+        if not e.counted:
+            e.counted = True
+            if e.state is RESIDENT:
+                self._device_bytes += e.nbytes
+
     def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
         if e is None or (e.key is not None and _RANK[kind] >= _RANK[e.kind]):
             return
@@ -484,10 +495,7 @@ class StorageTracking:
         parameters with ``untyped_storage().resize_``): never move it, keep its size."""
         if e.foreign:
             return
-        if not e.counted:  # (its owner resizes it inside the block: its bytes are the budget's)
-            e.counted = True
-            if e.state is RESIDENT:
-                self._device_bytes += e.nbytes
+        self._make_counted(e)  # (its owner resizes it inside the block)
         e.foreign, e.resizable = True, False
         self._lru.pop(e.cdata, None)
         self._foreign[e.cdata] = e

@@ -440,6 +440,7 @@ class _Simulator:
         # external tensors (the batch the loop made before the iteration) are in memory
         # from its start, not from their first use
         externals = tuple(np.flatnonzero(trace.external & ~trace.persistent).tolist())
+        launch_async, op_cost = self.launch_async, self.op_cost
         for it in range(iterations):
             last = it == iterations - 1
             if last:
@@ -448,7 +449,6 @@ class _Simulator:
                 self.current_op = 0
                 self._bring_in(externals)
                 self.pinned = set()
-            launch_async, op_cost = self.launch_async, self.op_cost
             for i in range(n_ops):
                 self.current_op = i
                 host_op = lev is not None and i in lev.host_ops
