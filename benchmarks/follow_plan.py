@@ -9,6 +9,7 @@ forced beyond the plan, and the peak against the budget. ``--departures`` also p
 
     PYTHONPATH=src python benchmarks/follow_plan.py
     PYTHONPATH=src python benchmarks/follow_plan.py --models gpt-tiny --budgets 30% --batches 4 --departures
+    PYTHONPATH=src python benchmarks/follow_plan.py --models unet-mini --budgets 30%,40%,50% --batches 8 --steps 12 --made-inside
 
 The loop keeps ``--batches`` batches and cycles through them (as a list of batches
 does). Counts, not times: they do not depend on the machine's load, though the plan can
@@ -39,13 +40,17 @@ def _outside():
     return mod
 
 
-def measure(name: str, budget: str, *, steps: int, batches: int, outside) -> dict:
+def measure(name: str, budget: str, *, steps: int, batches: int, outside, made_inside: bool = False) -> dict:
     model, make_batch, loss_fn = outside.any_model(name)
     opt = torch.optim.AdamW(model.parameters())
-    data = [make_batch(i) for i in range(batches)]
+    # made_inside: the loop makes a batch in each of its first steps, inside the block,
+    # and keeps it (the budget's); else they are made before the block (not the budget's)
+    data = [] if made_inside else [make_batch(i) for i in range(batches)]
     rows, last = [], None
     with tierflow.offload(model, opt, budget=budget) as run:
         for k in range(steps):
+            if len(data) < batches:
+                data.append(make_batch(k))
             x, y = data[k % batches]
             loss_fn(model(x), y).backward()
             opt.step()
@@ -69,6 +74,7 @@ def measure(name: str, budget: str, *, steps: int, batches: int, outside) -> dic
         "unplanned_evictions_per_step": statistics.median(r[1] for r in rows) if rows else None,
         "peak_over_budget": s.peak_device_bytes_planned / s.budget_bytes if s.budget_bytes else None,
         "held_bytes": getattr(s, "held_device_bytes", 0),
+        "held_replans": getattr(s, "held_replans", 0),
         "departures": dict(getattr(s, "departures", {})),
         "plan_error": s.plan_error,
     }
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="50%,30%")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--made-inside", action="store_true",
+                    help="the loop makes its batches inside the block and keeps them")
     ap.add_argument("--departures", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -91,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         for budget in args.budgets.split(","):
             try:
-                r = measure(name, budget, steps=args.steps, batches=args.batches, outside=outside)
+                r = measure(name, budget, steps=args.steps, batches=args.batches, outside=outside,
+                            made_inside=args.made_inside)
             except tierflow.errors.TierflowError as e:
                 print(f"{name:<11} {budget:>6} {type(e).__name__}: {str(e)[:100]}")
                 out.append({"model": name, "budget": budget, "error": str(e)})
@@ -100,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = f"{r['policy'][:24]} ({'reactive' if r['reactive'] else 'planned'})"
             print(f"{name:<11} {budget:>6} {plan:<34} {r['moves']:>5} {r['predicted_faults']!s:>6} "
                   f"{r['fetches_per_step']!s:>12} {r['fetches_max']!s:>4} {r['unplanned_evictions_per_step']!s:>17} "
-                  f"{r['peak_over_budget']:>11.3f}")
+                  f"{r['peak_over_budget']:>11.3f}"
+                  + (f"  held {r['held_bytes']} B, {r['held_replans']} re-plans" if args.made_inside else ""))
             if args.departures:
                 for k, v in sorted(r["departures"].items()):
                     print(f"{'':>19}{v:>6}  {k}")
