@@ -4,7 +4,10 @@ For three zoo models at toy size and the two models outside the zoo
 (``benchmarks/outside_models.py``), at two budgets, train a few steps under
 ``tierflow.offload`` with its default options and compare the simulator's step time for
 the plan it follows (``run.stats.predicted_step_time_s``) with the wall time the planned
-steps took (the median of them), and with their CPU time (the process's, one thread:
+steps took (the median of them, leaving out the first: in CPU mode the prediction is
+re-made from that iteration's op times and the model's cost outside the runtime,
+``tierflow/runtime/retime.py``; the column "at plan" is the prediction made at the plan,
+``predicted_step_time_s_at_plan``, before any step followed it), and with their CPU time (the process's, one thread:
 what a loaded, shared machine's other work leaves out of the wall time). Each row is the median of ``--runs`` runs, interleaved
 round by round with the other rows, so that the shared machine's slow spells fall on
 every row alike. The stall columns say how much of a miss is on-demand fetching that the
@@ -70,16 +73,19 @@ def run_once(name: str, budget: str, steps: int) -> dict:
             opt.zero_grad()
             cpu_s.append(time.process_time() - c0)
     st = run.stats
-    # the planned steps are the last ``planned_steps`` iterations when the plan held
-    k = len(st.step_times_s) - st.planned_steps
-    planned = st.step_times_s[k:] if st.planned_steps else []
+    # the planned steps are the last ``planned_steps`` iterations when the plan held; the
+    # first of them is left out: the prediction is re-made from its times (runtime/retime.py)
+    k = len(st.step_times_s) - st.planned_steps + 1
+    planned = st.step_times_s[k:] if st.planned_steps > 1 else []
     measured = statistics.median(planned) if planned else st.step_time_s
-    cpu = statistics.median(cpu_s[k:] if st.planned_steps else cpu_s[1:])
+    cpu = statistics.median(cpu_s[k:] if st.planned_steps > 1 else cpu_s[1:])
     pred = st.predicted_step_time_s
+    at_plan = st.predicted_step_time_s_at_plan
     hw = run.hardware
     return {
         "model": name, "budget": budget, "predicted_s": pred, "measured_s": measured, "cpu_s": cpu,
         "ratio": (pred / measured) if pred and measured else None,
+        "predicted_at_plan_s": at_plan, "at_plan_ratio": (at_plan / measured) if at_plan and measured else None,
         "cpu_ratio": (pred / cpu) if pred and cpu else None,
         "planned_steps": st.planned_steps, "steps": st.steps, "policy": st.policy,
         "stalls_per_step": st.stalls / max(1, st.steps), "stall_s_per_step": st.stall_s / max(1, st.steps),
@@ -120,15 +126,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {k + 1}/{args.runs} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     out = []
     print(f"{'model':<11} {'budget':>6} {'ops':>5} {'op_us':>6} {'predicted':>10} {'measured':>10} {'ratio':>6} "
-          f"{'(min-max)':>11} {'cpu':>9} {'cpu ratio':>9} {'stalls':>7} {'stall_ms':>8} {'moves':>6}")
+          f"{'(min-max)':>11} {'at plan':>7} {'cpu':>9} {'cpu ratio':>9} {'stalls':>7} {'stall_ms':>8} {'moves':>6}")
     for m, b in rows:
         rs = runs[(m, b)]
         ratios = [r["ratio"] for r in rs if r["ratio"] is not None]
         med = statistics.median(ratios) if ratios else None
         cpu_ratios = [r["cpu_ratio"] for r in rs if r.get("cpu_ratio") is not None]
+        plan_ratios = [r["at_plan_ratio"] for r in rs if r.get("at_plan_ratio") is not None]
         pick = min(rs, key=lambda r: abs((r["ratio"] or 0) - (med or 0)))
         row = dict(pick, ratio=med, ratios=ratios, cpu_ratios=cpu_ratios,
                    cpu_ratio=statistics.median(cpu_ratios) if cpu_ratios else None,
+                   at_plan_ratios=plan_ratios,
+                   at_plan_ratio=statistics.median(plan_ratios) if plan_ratios else None,
                    predicted_s=statistics.median([r["predicted_s"] or 0 for r in rs]),
                    measured_s=statistics.median([r["measured_s"] for r in rs]),
                    cpu_s=statistics.median([r.get("cpu_s") or 0 for r in rs]))
@@ -137,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         nan = float("nan")
         print(f"{m:<11} {b:>6} {row['n_ops'] or 0:>5} {row['op_issue_us'] or 0:>6.1f} "
               f"{row['predicted_s'] * 1e3:>8.2f}ms {row['measured_s'] * 1e3:>8.2f}ms "
-              f"{med if med is not None else nan:>6.2f} {span:>11} {row['cpu_s'] * 1e3:>7.2f}ms "
+              f"{med if med is not None else nan:>6.2f} {span:>11} "
+              f"{row['at_plan_ratio'] if row['at_plan_ratio'] is not None else nan:>7.2f} {row['cpu_s'] * 1e3:>7.2f}ms "
               f"{row['cpu_ratio'] if row['cpu_ratio'] is not None else nan:>9.2f} {row['stalls_per_step']:>7.1f} "
               f"{row['stall_s_per_step'] * 1e3:>8.2f} {row['planned_moves_per_step']:>6.1f}")
-    for key, what in (("ratio", "wall"), ("cpu_ratio", "CPU")):
+    for key, what in (("ratio", "wall"), ("cpu_ratio", "CPU"), ("at_plan_ratio", "wall, prediction at the plan")):
         inside = sum(1 for r in out if r[key] is not None and 0.75 <= r[key] <= 1.33)
         print(f"rows within [0.75, 1.33] ({what} time): {inside} of {len(out)}")
     print(f"load after: {os.getloadavg()}")

@@ -78,6 +78,7 @@ from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
 from .profiling import Profiling
 from .recompute import DROPPED, Recomputing, rng_states
+from .retime import Retiming
 from .stats import RunStats
 from .storages import (
     _PLAIN,
@@ -164,12 +165,20 @@ def _dispatch(self, func, types, args=(), kwargs=None):
         # __torch_dispatch__ runs, torch has popped the mode, so the copies and resizes
         # it makes never come back here.
         if run._fast and not run._untracked and (not types or _PLAIN_TYPES.get(types) or _plain_types(types)):
+            # NOTE: not by swapping the method on the run for one iteration: in CPython
+            # an instance attribute set and deleted again slows every later attribute
+            # lookup on the run (its dict leaves the shared-keys form), 2x on a step
+            if run._timing:  # (the first followed iteration of a plan: see retime)
+                return run._timed_follow_op(func, args, kwargs or {})
             return run._follow_op(func, args, kwargs or {})
         run._quiet = True
+        t0 = time.perf_counter() if run._timing else 0.0
         try:
             return run._handle(func, args, kwargs or {}, types)
         finally:
             run._quiet = False
+            if run._timing:  # (a collective in a timed followed iteration: see retime)
+                run._handler_s += time.perf_counter() - t0
     finally:
         _set_eval_frame(prior)
 
@@ -204,7 +213,7 @@ class _Mode(TorchDispatchMode):
     __torch_dispatch__ = _dispatch
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling, OpFacts):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling, OpFacts, Retiming):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -314,6 +323,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._op_kernel_s: list[float] = []  # CUDA: each recorded op's kernel time, from it
         self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
+        # (see retime; set here, in one order for every run: an attribute a run gains
+        # later, in an order of its own, costs every run's lookups in CPython)
+        self._retime_due = self._timing = False
+        self._op_s: list[float | None] = []
+        self._handler_s = 0.0
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
@@ -463,6 +477,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._fast = self._planned or self._hinted
         if self._fast:
             self._hooks_off_for_iteration()
+        self._retime_begin()
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -502,6 +517,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def end_iteration(self) -> None:
         """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
         call it yourself only when training without an optimizer."""
+        wall = time.perf_counter() - self._t0 if self._timing else 0.0
         self._hooks_on()
         self._host_finish()  # [host steps] every host update done, parameters back
         if not self._in_iter:
@@ -559,6 +575,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             st.peak_device_bytes_planned = max(st.peak_device_bytes_planned, self._iter_peak)
         else:
             st.reactive_steps += 1
+        if self._timing:
+            self._retime_end(wall)
         if self._stale:
             self._need_profile = True
         self._iter_tid, self._iter_entries = {}, []
@@ -780,7 +798,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # (one row of per-op facts, see _make_plan: one lookup instead of a dozen)
         _f, trivial, next_op, flat, binds, levers, born, views_only, sizes, spots, bind_out, moves = row
         if trivial:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
-            out = func(*args, **kwargs)
+            if self._timing:  # (the first followed iteration: see retime)
+                t0 = time.perf_counter()
+                out = func(*args, **kwargs)
+                self._op_s[i] = time.perf_counter() - t0
+            else:
+                out = func(*args, **kwargs)
             self._op = next_op  # (i + 1, past ops the host runs)
             return out
         entries, dev, entry = self._entries, self._dev_attr, self._entry
@@ -833,7 +856,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     e.touched = True
         chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
-        out = func(*args, **kwargs)
+        if self._timing:  # (the first followed iteration: see retime)
+            t0 = time.perf_counter()
+            out = func(*args, **kwargs)
+            self._op_s[i] = time.perf_counter() - t0
+        else:
+            out = func(*args, **kwargs)
         if views_only:  # (views of the arguments: no new storage, nothing to check)
             outs = _NO_OUTS
         else:

@@ -46,6 +46,10 @@ class HostCosts:
 
     op_issue_s: float
     recompute_issue_s: float
+    #: the lean path's bookkeeping alone per op, without the dispatch mode's entry (the
+    #: probe calls the handler directly): what :mod:`.retime` adds to the time a
+    #: followed iteration spends outside the handler, measured on the model's own ops
+    lean_op_s: float = 0.0
 
 
 def _own_times(a: torch.Tensor, b: torch.Tensor, n: int) -> float:
@@ -84,7 +88,7 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
     try:
         # (no room is ever made for the probe: its few hundred bytes are not the budget's)
         run.budget = math.inf
-        op_s = _lean_op_s(run, a, b, ops, rounds, cuda)
+        op_s, lean_s = _lean_op_s(run, a, b, ops, rounds, cuda)
         replay_s = _replay_op_s(run, a, b, max(1, ops // 2), rounds, cuda)
     finally:
         for k in names:  # (the tables of the plan being made, or none yet)
@@ -96,7 +100,7 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
         _retire_dead(run)
         run._iter_peak = saved["_iter_peak"]
         run.stats.restore(saved_stats)
-    return HostCosts(op_s, replay_s)
+    return HostCosts(op_s, replay_s, lean_s)
 
 
 def _retire_dead(run: Any) -> None:
@@ -108,11 +112,12 @@ def _retire_dead(run: Any) -> None:
             run._retire(e)
 
 
-def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, cuda: bool) -> float:
-    """Per op: ``n`` adds through the run's dispatch mode and lean path, less their own
-    time (CPU mode)."""
+def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, cuda: bool) -> tuple[float, float]:
+    """Per op: ``n`` adds through the run's dispatch mode and lean path, and ``n`` adds
+    handed to the lean path directly (no mode entry), each less the adds' own time
+    (CPU mode)."""
     if run._untracked or run._mode not in _get_current_dispatch_mode_stack():
-        return 0.0  # (not planning inside the block's tracked ops: nothing to measure through)
+        return 0.0, 0.0  # (not planning inside the block's tracked ops: nothing to measure through)
     out_bytes = a.untyped_storage().nbytes()
     # every row a plain op of the followed iteration: a new result, nothing planned at it
     # (row layout: see profiling.Profiling._make_plan, "the lean path's per-op row")
@@ -121,24 +126,33 @@ def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, 
     run._n_ops = n
     run._op_labels = ["<host cost probe>"] * n
     run._hinted = run._stale = False
-    costs = []
+    follow = type(run)._follow_op
+    through, direct = [], []
     for _ in range(rounds):
-        own = 0.0 if cuda else _own_times(a, b, n)
-        run._op, run._fast, run._quiet = 0, True, False
-        x = a
-        if cuda:
-            torch.cuda.synchronize(a.device)
-        t0 = time.perf_counter()
-        for _k in range(n):
-            x = _ADD(x, b)  # (through the mode: run._follow_op)
-        dt = time.perf_counter() - t0
-        run._fast, run._quiet = False, True
-        del x
-        _retire_dead(run)
-        costs.append(dt - own)
+        for via_mode, costs in ((True, through), (False, direct)):
+            own = 0.0 if cuda else _own_times(a, b, n)
+            run._op, run._fast, run._quiet = 0, True, False
+            x = a
+            if cuda:
+                torch.cuda.synchronize(a.device)
+            if via_mode:
+                t0 = time.perf_counter()
+                for _k in range(n):
+                    x = _ADD(x, b)  # (through the mode: run._follow_op)
+                dt = time.perf_counter() - t0
+            else:
+                with torch._C._DisableTorchDispatch():  # (as inside __torch_dispatch__)
+                    t0 = time.perf_counter()
+                    for _k in range(n):
+                        x = follow(run, _ADD, (x, b), {})
+                    dt = time.perf_counter() - t0
+            run._fast, run._quiet = False, True
+            del x
+            _retire_dead(run)
+            costs.append(dt - own)
     if cuda:
         torch.cuda.synchronize(a.device)
-    return max(0.0, statistics.median(costs)) / n
+    return max(0.0, statistics.median(through)) / n, max(0.0, statistics.median(direct)) / n
 
 
 def _replay_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, chains: int, rounds: int, cuda: bool) -> float:

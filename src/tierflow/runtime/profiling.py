@@ -394,7 +394,8 @@ class Profiling:
         if costs is None:
             costs = measure_host_costs(self)
             if self._sync is not None:  # (the largest: a min of the negated figures)
-                costs = HostCosts(-self._sync.min(-costs.op_issue_s), -self._sync.min(-costs.recompute_issue_s))
+                costs = HostCosts(*(-self._sync.min(-c) for c in (costs.op_issue_s, costs.recompute_issue_s,
+                                                                   costs.lean_op_s)))
             self._host_costs = costs
         return costs
 
@@ -552,6 +553,7 @@ class Profiling:
         self.stats.plan_digest = plan_digest(plan)
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
+        self._retime_arm()  # (CPU mode: the prediction again from the first followed iteration)
         self._layout = self._plan_layout(trace, plan, hw)
         self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)

@@ -58,7 +58,15 @@ class RunStats:
         stale_reasons: the first few departures, in words.
         plan_error: why the current plan failed :func:`tierflow.plan.validate`, if it did
             (it is executed anyway: what it gets wrong is fetched on demand).
-        predicted_step_time_s: the simulator's step time for the current plan.
+        predicted_step_time_s: the simulator's step time for the current plan. In CPU
+            mode with the runtime's own machine model, from the plan's first followed
+            iteration on: the same plan scored again with that iteration's op times and
+            the model's cost per op outside the runtime (:mod:`tierflow.runtime.retime`).
+        predicted_step_time_s_at_plan: the simulator's step time for the current plan
+            when it was made, from the profiled iteration's times.
+        outside_handler_s: CPU mode: the first followed iteration's time outside the
+            runtime's handler (torch's dispatch-mode entry per op, the model's Python,
+            autograd, the optimizer's loop), which the prediction charges per op.
         ideal_step_time_s: the trace's sum of op times (no transfers).
         policy: the policy that made the current plan.
         host_pool_bytes, ssd_file_bytes: the tiers' sizes (allocated; at the end of the run,
@@ -138,6 +146,8 @@ class RunStats:
     replans: int = 0
     stale_reasons: list[str] = field(default_factory=list)
     predicted_step_time_s: float | None = None
+    predicted_step_time_s_at_plan: float | None = None
+    outside_handler_s: float | None = None
     plan_error: str | None = None
     ideal_step_time_s: float | None = None
     policy: str = ""

@@ -1,0 +1,105 @@
+"""CPU mode: the plan's step time predicted again from its first followed iteration's
+op times and the model's own cost per op outside the runtime (a mixin of
+:class:`~tierflow.runtime.executor.Run`).
+
+Why. The profiled iteration is a poor clock for a CPU-mode step, in two ways that pull
+against each other, and neither depends on the plan:
+
+* **Its op times run high** (8-67% on the tiny zoo models, BENCHMARKS.md "CPU-mode
+  prediction"): between its ops the profiling bookkeeping runs (entries, signatures,
+  scopes, meta kernels), which leaves each op's data and the interpreter's caches
+  colder than in a followed iteration, where a few microseconds of lean path separate
+  two ops.
+* **What an op costs outside the runtime's handler is not in it at all.** Every op
+  reaches ``__torch_dispatch__`` through torch's Python dispatch-mode machinery (the
+  arguments boxed into Python objects, the mode popped and pushed back, the op called
+  again from Python), and the model's own Python, autograd's engine and the
+  optimizer's loop run between the ops. On gpt-tiny a bare pass-through mode adds
+  8.2 us an op to plain PyTorch's step, and the followed iteration spends 5-7 ms
+  outside the handler per 4.4 ms plain step; the ``add`` probe of :mod:`.host_costs`
+  sees half of that.
+
+So the first iteration that follows a plan (CPU mode, the runtime's own machine model)
+times each op as the lean path runs it, and the time outside the handler. The trace's
+op durations become those; ``Hardware.op_issue_s`` becomes that outside time per op
+plus the lean path's own bookkeeping per op (:attr:`.host_costs.HostCosts.lean_op_s`,
+measured by the probe without the mode's entry); the simulator scores the same plan
+again, and ``stats.predicted_step_time_s`` is its answer from then on
+(``stats.predicted_step_time_s_at_plan`` keeps the first). What the plan itself costs,
+the moves, the pager's work, recompute's replays, stays the simulator's: it is inside
+the handler and not measured here. The plan is not changed.
+
+Not done: on CUDA (op times are the kernels', :mod:`.kernel_times`, and the host's
+cost per op is measured by the probe: untested on a GPU yet); with a ``hardware=``
+the user gave (their machine model, not ours); when the plan steps the optimizer on
+the host (that work runs in gradient hooks, outside the handler, and is the plan's).
+An iteration that departs from its trace is not used; the next followed one is.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from ..errors import TierflowError
+from ..trace import Trace
+
+
+class Retiming:
+    """Times the first followed iteration of a plan (see the module docstring)."""
+
+    _retime_due: bool = False  # a plan was made whose prediction is to be re-made
+    _timing: bool = False  # this iteration times its ops (the lean path reads it)
+
+    def _retime_arm(self) -> None:
+        """A plan was just made: re-time its first followed iteration, if this run's
+        machine model is its own and on the CPU."""
+        self._retime_due = (not self._cuda and self._hardware_arg is None and not self.plan.reactive
+                            and not self.plan.host_steps and self.stats.predicted_step_time_s is not None)
+        self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
+
+    def _retime_begin(self) -> None:
+        """A planned iteration begins: time it if its plan's prediction is due."""
+        self._timing = self._retime_due and self._planned
+        if self._timing:
+            self._op_s: list[float | None] = [None] * self._n_ops
+            self._handler_s = 0.0
+
+    def _timed_follow_op(self, func, args, kwargs):
+        """``_follow_op`` with the time spent inside it counted (the handler's share)."""
+        t0 = time.perf_counter()
+        try:
+            return self._follow_op(func, args, kwargs)
+        finally:
+            self._handler_s += time.perf_counter() - t0
+
+    def _retime_end(self, wall_s: float) -> None:
+        """The timed iteration ended after ``wall_s`` seconds (up to its last op): the
+        prediction from its times, if it followed its plan to the end."""
+        self._timing = False
+        if self._stale or self._op != self.trace.n_ops:
+            return  # (try the next followed iteration)
+        self._retime_due = False
+        trace, hw = self.trace, self.hardware
+        timed = self._op_s
+        ops = tuple(o if d is None else replace(o, duration_s=d) for o, d in zip(trace.ops, timed))
+        outside_s = max(0.0, wall_s - self._handler_s)
+        costs = getattr(self, "_host_costs", None)  # (measured at the plan: see _hardware_for)
+        if costs is None:
+            return
+        lean = costs.lean_op_s
+        retimed = Trace(ops, trace.tensors, name=trace.name,
+                        meta=dict(trace.meta, timing="op times of the first followed iteration"))
+        hw2 = replace(hw, op_issue_s=outside_s / max(1, trace.n_ops) + lean)
+        from ..simulate import simulate
+
+        try:
+            sim = simulate(retimed, hw2, self.plan, check_plan=False)
+        except TierflowError:
+            return
+        if not math.isfinite(sim.time_s):
+            return
+        self.stats.predicted_step_time_s = sim.time_s
+        self.stats.ideal_step_time_s = retimed.ideal_s
+        self.stats.outside_handler_s = outside_s
+        self.trace, self.hardware, self.prediction = retimed, hw2, sim

@@ -1,0 +1,115 @@
+"""CPU mode: the plan's prediction made again from its first followed iteration
+(:mod:`tierflow.runtime.retime`): that iteration's op times, and the model's time
+outside the runtime's handler charged per op; the plan itself unchanged."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from tierflow import offload
+from tierflow.capture import zoo
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
+
+
+def _gpt_tiny(python_s: float = 0.0):
+    """gpt-tiny and one training step; ``python_s``: seconds of the loop's own Python
+    (no op) in each forward, such as a model's data preparation."""
+    built = zoo.build("gpt-tiny", seed=0)
+    opt = torch.optim.AdamW(built.model.parameters(), lr=1e-3, foreach=False)
+    x, y = built.make_batch(zoo.spec("gpt-tiny").batch, None)
+
+    def step() -> None:
+        out = built.model(x)
+        if python_s:
+            time.sleep(python_s)
+        built.loss_fn(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return built.model, opt, step
+
+
+def test_first_followed_iteration_remakes_the_prediction():
+    net, opt, step = _gpt_tiny()
+    with offload(net, opt, budget="50%") as run:
+        for _ in range(2):  # (a warm-up, then the profiled step that plans)
+            step()
+        at_plan_trace, plan = run.trace, run.plan
+        assert run.stats.predicted_step_time_s_at_plan == run.stats.predicted_step_time_s
+        step()  # the first followed iteration
+        st = run.stats
+        assert st.planned_steps == 1 and run.plan is plan
+        assert st.predicted_step_time_s_at_plan is not None and st.outside_handler_s > 0
+        assert st.predicted_step_time_s != st.predicted_step_time_s_at_plan
+        trace = run.trace
+        assert trace is not at_plan_trace and "followed" in trace.meta["timing"]
+        assert trace.tensors == at_plan_trace.tensors and trace.n_ops == at_plan_trace.n_ops
+        assert [o.name for o in trace.ops] == [o.name for o in at_plan_trace.ops]
+        changed = sum(a.duration_s != b.duration_s for a, b in zip(trace.ops, at_plan_trace.ops))
+        assert changed > 0.9 * trace.n_ops  # (every op the lean path ran was timed)
+        # the cost per op: the time outside the handler spread over the ops, plus the
+        # lean path's own bookkeeping
+        lean = run._host_costs.lean_op_s
+        assert math.isclose(run.hardware.op_issue_s, st.outside_handler_s / trace.n_ops + lean, rel_tol=1e-9)
+        assert st.ideal_step_time_s == trace.ideal_s
+        assert run.prediction.time_s == st.predicted_step_time_s
+        step()  # once only
+        assert run.trace is trace and st.predicted_step_time_s == run.prediction.time_s
+
+
+def test_time_outside_the_ops_is_predicted():
+    # 30 ms of the loop's own Python a step: the prediction made at the plan knows
+    # nothing of it, the one remade from a followed iteration charges it
+    net, opt, step = _gpt_tiny(python_s=0.03)
+    with offload(net, opt, budget="50%") as run:
+        for _ in range(3):
+            step()
+        st = run.stats
+        assert st.outside_handler_s >= 0.03
+        assert st.predicted_step_time_s - st.predicted_step_time_s_at_plan >= 0.02
+        assert st.predicted_step_time_s >= 0.03
+
+
+def test_lean_cost_without_the_mode_entry_is_below_the_cost_through_it():
+    net, opt, step = _gpt_tiny()
+    with offload(net, opt, budget="50%") as run:
+        for _ in range(2):
+            step()
+    costs = run._host_costs
+    assert 0 < costs.lean_op_s < costs.op_issue_s
+
+
+def test_a_machine_model_the_user_gave_is_left_alone():
+    net, opt, step = _gpt_tiny()
+    with offload(net, opt, budget="50%", hardware="rtx4090-24g") as run:
+        for _ in range(4):
+            step()
+        st = run.stats
+        assert st.planned_steps >= 1
+        assert st.predicted_step_time_s == st.predicted_step_time_s_at_plan
+        assert st.outside_handler_s is None
+
+
+def test_an_iteration_that_departs_is_not_used():
+    built = zoo.build("gpt-tiny", seed=0)
+    net = built.model
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+    spec = zoo.spec("gpt-tiny")
+    x, y = built.make_batch(spec.batch, None)
+
+    def step(xb, yb):
+        built.loss_fn(net(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with offload(net, opt, budget="50%") as run:
+        step(x, y)
+        step(x, y)  # profiled, planned
+        step(x[:1], y[:1])  # another batch shape: departs from the trace at once
+        assert run.stats.stale_plans >= 1
+        assert run.stats.outside_handler_s is None
