@@ -416,6 +416,7 @@ def tierflow_row(w: Workload, label: str, budget: Any, s: Settings,
         warm_steps=warm, planned_steps_timed=after["planned_steps"] - before["planned_steps"],
         stats_step_time_s=st.step_time_s, predicted_step_time_s=st.predicted_step_time_s,
         predicted_over_measured=(st.predicted_step_time_s / row["step_s"]) if st.predicted_step_time_s else None,
+        predicted_at_plan_s=st.predicted_step_time_s_at_plan,  # (CPU mode: before runtime/retime.py)
         fetches_per_planned_step=delta["stalls"] / n, unplanned_evictions_per_step=delta["unplanned_evictions"] / n,
         planned_moves_per_step=delta["planned_moves"] / n, recomputed_ops_per_step=delta["recomputed_ops"] / n,
         moved_bytes_per_step=delta["moved_bytes"] / n, stale_plans_timed=delta["stale_plans"],

@@ -139,6 +139,8 @@ def _train(args: argparse.Namespace) -> int:
         ("steps (profiled / planned / fell back)", f"{s.steps} ({s.profiled_steps} / {s.planned_steps} / {s.reactive_steps})"),
         ("step time, measured", fmt_seconds(s.step_time_s)),
         ("step time, predicted (simulator)", fmt_seconds(s.predicted_step_time_s) if s.predicted_step_time_s else "n/a"),
+        *([("  predicted at the plan, before its first step", fmt_seconds(s.predicted_step_time_s_at_plan))]
+          if s.predicted_step_time_s_at_plan and s.predicted_step_time_s_at_plan != s.predicted_step_time_s else []),
         ("step time, trace ideal", fmt_seconds(s.ideal_step_time_s) if s.ideal_step_time_s else "n/a"),
         ("step time, plain PyTorch", fmt_seconds(res.plain_step_time_s) if res.plain_step_time_s else "not run"),
         ("peak device bytes / budget", f"{fmt_bytes(s.peak_device_bytes)} / {budget}"),
