@@ -335,6 +335,34 @@ def test_a_chain_that_cannot_fit_fails_clearly():
     assert not res.fits and "recompute 0 (before op 3)" in res.error and math.isinf(res.time_s)
 
 
+def test_a_chain_lets_go_of_a_temporary_after_its_last_read():
+    from tierflow import Op, TensorInfo, Trace
+
+    mb = 1_000_000
+    # the chain re-makes k1 and k2 (kept, 100 MB each) through a 300 MB temporary that
+    # only its second step reads, as a block's wide intermediate: while it runs it holds
+    # at most 310 MB (big and small at step 1), not all it makes (510 MB)
+    ts = [TensorInfo(0, 10 * mb, "input"), TensorInfo(1, 300 * mb, "temporary"),
+          TensorInfo(2, 10 * mb, "temporary"), TensorInfo(3, 100 * mb, "activation"),
+          TensorInfo(4, 100 * mb, "activation"), TensorInfo(5, 10 * mb, "activation")]
+    ops = [Op("f1", "forward", 1e-3, (0,), (1,)), Op("f2", "forward", 1e-3, (1,), (2,)),
+           Op("f3", "forward", 1e-3, (2,), (3,)), Op("f4", "forward", 1e-3, (3,), (4,)),
+           Op("gap", "forward", 1e-3, (0,), (5,)), Op("bwd", "backward", 1e-3, (3, 4, 5, 0), ())]
+    tr = Trace(ops, ts, "narrowing-chain")
+    hw = simple_hw()
+    r = Recompute((3, 4), (0, 1, 2, 3), 5)
+    # before op 5: the input and the gap's output (20 MB) beside the chain's 310 MB
+    validate(_plan(tr, hw, [r], budget=330 * mb), tr, hw)
+    res = simulate(tr, hw, _plan(tr, hw, [r], budget=330 * mb))
+    assert res.fits and res.peak_bytes["gpu"] == 330 * mb
+    with pytest.raises(PlanError, match=r"recompute 0 \(before op 5\): tier gpu over capacity while the chain runs: "
+                                        r"330000000 bytes planned"):
+        validate(_plan(tr, hw, [r], budget=329 * mb), tr, hw)
+    from tierflow.policies._recompute import planned_device_bytes
+
+    assert int(planned_device_bytes(tr, (r,)).max()) == 330 * mb
+
+
 # -- properties ---------------------------------------------------------------------
 
 

@@ -77,7 +77,10 @@ class Recompute:
     ``before_op`` and re-created by running ``ops`` on the compute stream just before
     ``before_op``. Every input of a re-run op must then be on the device or an output of
     an earlier op of the chain (chains of recomputed tensors are allowed); outputs of the
-    chain that are not in ``tensors`` are temporaries, freed when the chain ends.
+    chain that are not in ``tensors`` are temporaries, each freed once the last op of the
+    chain that reads it has run (as ``torch.utils.checkpoint``'s re-run forward and the
+    runtime's replay let go of them): a chain's own peak is its largest sum, step by
+    step, of what it has re-created so far and the temporaries still to be read.
     An input the chain reads but does not make (a checkpointed block's input, an output
     selective checkpointing saved) is read at ``before_op``: it stays live on the device
     until the chain has run, also where the trace's last use of it is earlier.
@@ -541,8 +544,8 @@ def _check_recomputes(plan: Plan, trace: Trace, lev: _Levers) -> None:
         b = r.before_op
         made: set[int] = set()
         earlier = kept_at.setdefault(b, set())
-        alloc = 0
-        for o in r.ops:
+        born_at: list[list[int]] = [[] for _ in r.ops]  # per step: what it makes
+        for k, o in enumerate(r.ops):
             op = ops[o]
             outputs = op.outputs
             for x in op.tensors:
@@ -550,7 +553,7 @@ def _check_recomputes(plan: Plan, trace: Trace, lev: _Levers) -> None:
                     continue
                 if not persistent[x] and int(first[x]) == o and x in outputs:
                     made.add(x)  # born here
-                    alloc += int(sizes[x])
+                    born_at[k].append(x)
                     continue
                 # read (or updated in place) from outside the chain: it must be there
                 if x in lev.off_device or x in host_grads:
@@ -570,7 +573,7 @@ def _check_recomputes(plan: Plan, trace: Trace, lev: _Levers) -> None:
                 if not persistent[x]:
                     extra_uses.setdefault(x, set()).add(b)
         kept = sum(int(sizes[t]) for t in r.tensors)
-        lev.chains.setdefault(b, []).append((i, kept, alloc))
+        lev.chains.setdefault(b, []).append((i, kept, _chain_peak(r, ops, sizes, born_at)))
         earlier.update(r.tensors)
     # an input the chain reads stays live on the device until the chain has run: its
     # life is held to op b (the walk sees a use there)
@@ -754,6 +757,28 @@ def _walk(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers) -> Residency:
                 f"{int(tier_bytes[tier.name][op])} bytes planned, {cap:.0f} available"
             )
     return Residency(tier_bytes, start_tier)
+
+
+def _chain_peak(r: Recompute, ops: Any, sizes: np.ndarray, born_at: list[list[int]]) -> int:
+    """The most bytes chain ``r`` holds at once while it runs: at each step, what it has
+    re-created so far plus its temporaries not yet past their last read in the chain
+    (``born_at``: per step, the tensors it makes)."""
+    keep = set(r.tensors)
+    last: dict[int, int] = {}
+    for k, o in enumerate(r.ops):
+        for x in ops[o].tensors:
+            last[x] = k
+    frees = [0] * len(born_at)  # per step: the temporaries no later step reads
+    for made in born_at:
+        for x in made:
+            if x not in keep:
+                frees[last[x]] += int(sizes[x])
+    live = peak = 0
+    for made, freed in zip(born_at, frees):
+        live += sum(int(sizes[x]) for x in made)
+        peak = max(peak, live)
+        live -= freed
+    return peak
 
 
 def _check_chains(plan: Plan, trace: Trace, hw: Hardware, lev: _Levers, dev_bytes: np.ndarray) -> None:

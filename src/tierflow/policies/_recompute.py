@@ -347,14 +347,42 @@ def planned_device_bytes(trace: Trace, recomputes: tuple[Recompute, ...]) -> np.
                 if t not in made and not persistent[t] and int(death[t]) < b:
                     held_until[t] = max(held_until.get(t, -1), b)
         # while the chain runs, op b's own outputs are not born yet: the chain's
-        # temporaries raise the count at b only by what they exceed those by
-        temps = max(0, sum(int(sizes[t]) for t in made - drop) - int(births[b]))
+        # temporaries raise the count at b only by what they exceed those by; each
+        # temporary lives until the last step of the chain that reads it
+        temps = max(0, _chain_temps_peak(trace, r, made, drop) - int(births[b]))
         delta[b] += temps
         delta[b + 1] -= temps
     for t, b in held_until.items():
         delta[int(death[t]) + 1] += sizes[t]
         delta[b + 1] -= sizes[t]
     return trace.live_bytes + np.cumsum(delta[:-1])
+
+
+def _chain_temps_peak(trace: Trace, r: Recompute, made: set[int], drop: set[int]) -> int:
+    """The most bytes chain ``r`` holds beyond the tensors it re-creates (counted whole
+    from its start by the caller): at each step, the re-created ones made so far and
+    the temporaries not yet past their last read, less all re-created ones."""
+    sizes = trace.sizes
+    n = len(r.ops)
+    last: dict[int, int] = {}
+    born: dict[int, int] = {}
+    for k, i in enumerate(r.ops):
+        for t in trace.ops[i].tensors:
+            if t in made:
+                born.setdefault(t, k)
+                last[t] = k
+    grows, frees = [0] * n, [0] * n
+    for t, k in born.items():
+        grows[k] += int(sizes[t])
+        if t not in drop:
+            frees[last[t]] += int(sizes[t])
+    kept_total = sum(int(sizes[t]) for t in born if t in drop)
+    live = peak = 0
+    for k in range(n):
+        live += grows[k]
+        peak = max(peak, live)
+        live -= frees[k]
+    return max(0, peak - kept_total)
 
 
 def recompute_seconds(trace: Trace, recomputes: tuple[Recompute, ...]) -> float:

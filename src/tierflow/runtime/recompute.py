@@ -216,7 +216,6 @@ class Recomputing:
                         self._ensure_resident(e)
         # (a dropped storage that died since, its graph freed, needs nothing)
         targets = {src: e for e, src in chain.dropped if e.ref() is not None and e.state is DROPPED}
-        self._make_room(sum(e.nbytes for e in targets.values()), inputs)
         # the last step that reads each step's results: they are let go after it
         last_read = list(range(len(chain.recipe)))
         for step, (_f, spec, *_r) in enumerate(chain.recipe):
@@ -231,9 +230,8 @@ class Recomputing:
             with torch.no_grad():
                 for step, (func, spec, states, out_bytes) in enumerate(chain.recipe):
                     # room for what this op makes, beside the replay's live temporaries
-                    # (and for the re-made tensors still to come back into their storages)
-                    pending = sum(e.nbytes for e in targets.values()) - sum(e.nbytes for e in restored)
-                    self._make_room(sum(temp.values()) + out_bytes + pending, inputs + restored)
+                    # (a re-made tensor's bytes become its storage's: see _restore)
+                    self._make_room(sum(temp.values()) + out_bytes, inputs + restored)
                     args, kwargs = pytree.tree_map_only(_Made, lambda m: results[m.step][m.leaf], spec)
                     if states is not None:
                         _set_rng_states(states, dev)
@@ -258,6 +256,8 @@ class Recomputing:
                     for k, x in enumerate(leaves):
                         e = targets.get((step, k))
                         if e is not None:
+                            if not _can_swap(e.ref(), x.untyped_storage()):  # (copied: there twice a moment)
+                                self._make_room(e.nbytes, inputs + restored)
                             leaves[k] = self._restore(e, x)
                             restored.append(e)
                     del x
@@ -273,16 +273,25 @@ class Recomputing:
         self.stats.recompute_s += time.perf_counter() - t0
 
     def _restore(self, e: _Entry, new: torch.Tensor) -> torch.Tensor:
-        """Copy re-made ``new`` into dropped ``e``'s storage; return ``new`` as a view of
-        that storage, for the rest of the chain (``new``'s own bytes are then freed)."""
+        """Put re-made ``new``'s bytes in dropped ``e``'s storage; return ``new`` as a view
+        of that storage, for the rest of the chain.
+
+        NOTE: where torch can swap two storages' memory (``_swap_data_ptr_``) and nothing
+        else holds ``new``'s storage, the re-made bytes become ``e``'s as they are: no
+        second copy of the tensor is ever on the device, so a chain holds what
+        ``torch.utils.checkpoint``'s re-run forward holds (what plans count). Else they
+        are copied, and for that moment the tensor is there twice."""
         st = e.ref()
         src = new.untyped_storage()
         if st is None:
             return new
         if src.nbytes() != e.nbytes:
             raise OffloadError(f"recompute of {e.label}: re-made {src.nbytes()} bytes, it had {e.nbytes}")
-        st.resize_(e.nbytes)
-        _u8(st, e.nbytes).copy_(_u8(src, e.nbytes))
+        if _can_swap(st, src):
+            st._swap_data_ptr_(src)  # (src keeps st's empty memory, freed with new)
+        else:
+            st.resize_(e.nbytes)
+            _u8(st, e.nbytes).copy_(_u8(src, e.nbytes))
         e.state = RESIDENT
         self._device_bytes += e.nbytes
         self._dropped_in.pop(e.cdata, None)
@@ -291,5 +300,14 @@ class Recomputing:
         view = torch.empty(0, dtype=new.dtype, device=new.device)
         return view.set_(st, new.storage_offset(), new.size(), new.stride())
 
+
+def _can_swap(st: torch.UntypedStorage | None, src: torch.UntypedStorage) -> bool:
+    """Whether ``src``'s memory can be handed to dropped (empty) ``st`` as it is: torch
+    can swap them, and only the re-made tensor (and the handle here) holds ``src``."""
+    return (_SWAP and st is not None and st.nbytes() == 0 and st.device == src.device
+            and torch._C._storage_Use_Count(src._cdata) <= 2)
+
+
+_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr(torch._C, "_storage_Use_Count")
 
 __all__ = ["DROPPED", "Recomputing", "rng_states"]

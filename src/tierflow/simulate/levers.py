@@ -30,7 +30,10 @@ class ChainStep:
         reads: tensors it reads (or updates in place) from outside the chain: they must be
             on the device.
         kept: tensors it makes that the chain keeps (``Recompute.tensors``).
-        temps: bytes of the other tensors it makes, freed when the chain ends.
+        temps: bytes of the other tensors it makes (the chain's temporaries).
+        frees: bytes of the chain's temporaries that no later step reads: freed once
+            this step has run, as a replay lets go of them (the runtime's, and
+            ``torch.utils.checkpoint``'s forward under recompute).
     """
 
     op: int
@@ -38,6 +41,7 @@ class ChainStep:
     reads: tuple[int, ...]
     kept: tuple[int, ...]
     temps: int
+    frees: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,13 +131,16 @@ class LeverSchedule:
         for i, r in enumerate(plan.recomputes):
             keep = set(r.tensors)
             made: set[int] = set()
-            steps = []
+            last_step: dict[int, int] = {}  # a temporary -> the last step that makes or reads it
+            rows = []
             reads: set[int] = set()
-            for o in r.ops:
+            for k, o in enumerate(r.ops):
                 op = ops[o]
                 step_reads, step_kept, temps = [], [], 0
                 for x in op.tensors:
                     if x in made:
+                        if x in last_step:
+                            last_step[x] = k
                         continue
                     if not persistent[x] and int(first[x]) == o and x in op.outputs:
                         made.add(x)
@@ -141,9 +148,14 @@ class LeverSchedule:
                             step_kept.append(x)
                         else:
                             temps += int(sizes[x])
+                            last_step[x] = k
                     else:
                         step_reads.append(x)
                 reads.update(step_reads)
-                steps.append(ChainStep(o, op.duration_s, tuple(step_reads), tuple(step_kept), temps))
+                rows.append((o, op.duration_s, tuple(step_reads), tuple(step_kept), temps))
+            frees = [0] * len(rows)
+            for x, k in last_step.items():
+                frees[k] += int(sizes[x])
+            steps = [ChainStep(*row, frees=f) for row, f in zip(rows, frees)]
             out.chains.setdefault(r.before_op, []).append(Chain(i, r.before_op, tuple(steps), frozenset(reads)))
         return out

@@ -44,8 +44,9 @@ Recompute (:class:`~tierflow.plan.Recompute`, planned plans only):
   demand, one in flight awaited), then allocates what it makes (the tensors born at that
   op: kept ones become resident again, the others are temporaries), waiting for room
   as a birth does (bytes already leaving first, then least recently used unpinned
-  tensors are evicted); then it runs for its trace duration. Temporaries are freed
-  when the chain ends; kept tensors live until their death or next drop. A chain whose
+  tensors are evicted); then it runs for its trace duration. A temporary is freed
+  once the last step that reads it has run (as a replay lets go of it); kept tensors
+  live until their death or next drop. A chain whose
   own tensors cannot fit fails the simulation with the chain named.
 * An input a chain reads is held on the device until the chain's op ends, also where
   the trace's last use of it is earlier (the plan's contract).
@@ -653,6 +654,9 @@ class _Simulator:
                     self._host_issue(self.replay_cost, last)
                 eng.run_until(eng.now + step.duration_s)
                 computed += step.duration_s
+                if step.frees:  # (temporaries no later step reads)
+                    temps -= step.frees
+                    self._free(self.dev, step.frees)
             if temps:
                 self._free(self.dev, temps)
             if last:

@@ -346,7 +346,7 @@ def check_recomputes(trace: Trace, recomputes: tuple[Recompute, ...]) -> list[st
     ``before_op`` and is an output of the chain; an RNG op only with ``restore_rng``.
     (A re-run op's other outputs are the chain's temporaries, as the
     :class:`~tierflow.plan.Recompute` contract says, even where the original is still
-    live: the copy is freed when the chain ends.)
+    live: the copy is freed after the chain's last step that reads it.)
     Returns the problems found (empty: consistent)."""
     problems = []
     dropped: dict[int, tuple[int, int]] = {}  # tensor -> (last use before, before_op)
