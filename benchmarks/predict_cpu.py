@@ -4,8 +4,8 @@ For three zoo models at toy size and the two models outside the zoo
 (``benchmarks/outside_models.py``), at two budgets, train a few steps under
 ``tierflow.offload`` with its default options and compare the simulator's step time for
 the plan it follows (``run.stats.predicted_step_time_s``) with the wall time the planned
-steps took (the median of them, leaving out the first: in CPU mode the prediction is
-re-made from that iteration's op times and the model's cost outside the runtime,
+steps took (the median of them, leaving out the first three: in CPU mode the prediction
+is re-made from those iterations' op times and the model's cost outside the runtime,
 ``tierflow/runtime/retime.py``; the column "at plan" is the prediction made at the plan,
 ``predicted_step_time_s_at_plan``, before any step followed it), and with their CPU time (the process's, one thread:
 what a loaded, shared machine's other work leaves out of the wall time). Each row is the median of ``--runs`` runs, interleaved
@@ -35,6 +35,7 @@ import torch
 
 import tierflow
 from tierflow.capture import zoo
+from tierflow.runtime.retime import RETIMED
 
 ZOO = ("gpt-tiny", "bert-tiny", "vit-tiny")
 OUTSIDE = ("unet-mini", "mixer-mini")
@@ -74,11 +75,11 @@ def run_once(name: str, budget: str, steps: int) -> dict:
             cpu_s.append(time.process_time() - c0)
     st = run.stats
     # the planned steps are the last ``planned_steps`` iterations when the plan held; the
-    # first of them is left out: the prediction is re-made from its times (runtime/retime.py)
-    k = len(st.step_times_s) - st.planned_steps + 1
-    planned = st.step_times_s[k:] if st.planned_steps > 1 else []
+    # first RETIMED of them are left out: the prediction is re-made from their times
+    k = len(st.step_times_s) - st.planned_steps + RETIMED
+    planned = st.step_times_s[k:] if st.planned_steps > RETIMED else []
     measured = statistics.median(planned) if planned else st.step_time_s
-    cpu = statistics.median(cpu_s[k:] if st.planned_steps > 1 else cpu_s[1:])
+    cpu = statistics.median(cpu_s[k:] if st.planned_steps > RETIMED else cpu_s[1:])
     pred = st.predicted_step_time_s
     at_plan = st.predicted_step_time_s_at_plan
     hw = run.hardware
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(ZOO + OUTSIDE))
     ap.add_argument("--budgets", default="50%,30%")
     ap.add_argument("--runs", type=int, default=3, help="runs per row, interleaved (median reported)")
-    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    ap.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--combine", nargs="+", metavar="JSON",

@@ -12,6 +12,7 @@ import torch
 
 from tierflow import offload
 from tierflow.capture import zoo
+from tierflow.runtime.retime import RETIMED
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
@@ -34,7 +35,7 @@ def _gpt_tiny(python_s: float = 0.0):
     return built.model, opt, step
 
 
-def test_first_followed_iteration_remakes_the_prediction():
+def test_first_followed_iterations_remake_the_prediction():
     net, opt, step = _gpt_tiny()
     with offload(net, opt, budget="50%") as run:
         for _ in range(2):  # (a warm-up, then the profiled step that plans)
@@ -44,10 +45,14 @@ def test_first_followed_iteration_remakes_the_prediction():
         step()  # the first followed iteration
         st = run.stats
         assert st.planned_steps == 1 and run.plan is plan
+        assert "first 1 followed iteration" in run.trace.meta["timing"]
+        for _ in range(RETIMED - 1):
+            step()
+        assert run.plan is plan and f"first {RETIMED} followed iterations (median)" in run.trace.meta["timing"]
         assert st.predicted_step_time_s_at_plan is not None and st.outside_handler_s > 0
         assert st.predicted_step_time_s != st.predicted_step_time_s_at_plan
         trace = run.trace
-        assert trace is not at_plan_trace and "followed" in trace.meta["timing"]
+        assert trace is not at_plan_trace
         assert trace.tensors == at_plan_trace.tensors and trace.n_ops == at_plan_trace.n_ops
         assert [o.name for o in trace.ops] == [o.name for o in at_plan_trace.ops]
         changed = sum(a.duration_s != b.duration_s for a, b in zip(trace.ops, at_plan_trace.ops))
@@ -58,8 +63,12 @@ def test_first_followed_iteration_remakes_the_prediction():
         assert math.isclose(run.hardware.op_issue_s, st.outside_handler_s / trace.n_ops + lean, rel_tol=1e-9)
         assert st.ideal_step_time_s == trace.ideal_s
         assert run.prediction.time_s == st.predicted_step_time_s
-        step()  # once only
+        step()  # the first few only
         assert run.trace is trace and st.predicted_step_time_s == run.prediction.time_s
+        # each op's time: its median over the timed iterations
+        samples = run._op_samples
+        assert all(len(d) == RETIMED for d in samples if d)
+        assert all(o.duration_s == sorted(d)[RETIMED // 2] for o, d in zip(trace.ops, samples) if d)
 
 
 def test_time_outside_the_ops_is_predicted():

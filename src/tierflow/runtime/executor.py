@@ -325,9 +325,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
         # (see retime; set here, in one order for every run: an attribute a run gains
         # later, in an order of its own, costs every run's lookups in CPython)
-        self._retime_due = self._timing = False
+        self._retimes_left, self._timing = 0, False
         self._op_s: list[float | None] = []
         self._handler_s = 0.0
+        self._plan_clock: tuple = (None, None)
+        self._op_samples: list[list[float]] = []
+        self._outside_samples: list[float] = []
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"

@@ -19,13 +19,16 @@ against each other, and neither depends on the plan:
   outside the handler per 4.4 ms plain step; the ``add`` probe of :mod:`.host_costs`
   sees half of that.
 
-So the first iteration that follows a plan (CPU mode, the runtime's own machine model)
-times each op as the lean path runs it, and the time outside the handler. The trace's
-op durations become those; ``Hardware.op_issue_s`` becomes that outside time per op
-plus the lean path's own bookkeeping per op (:attr:`.host_costs.HostCosts.lean_op_s`,
-measured by the probe without the mode's entry); the simulator scores the same plan
-again, and ``stats.predicted_step_time_s`` is its answer from then on
-(``stats.predicted_step_time_s_at_plan`` keeps the first). What the plan itself costs,
+So the first iterations that follow a plan (``RETIMED``, CPU mode, the runtime's own
+machine model) time each op as the lean path runs it, and the time outside the
+handler. The trace's op durations become each op's median over them;
+``Hardware.op_issue_s`` becomes the median time outside per op plus the lean path's own
+bookkeeping per op (:attr:`.host_costs.HostCosts.lean_op_s`, measured by the probe
+without the mode's entry); the simulator scores the same plan again after each, and
+``stats.predicted_step_time_s`` is its answer from then on
+(``stats.predicted_step_time_s_at_plan`` keeps the first). A median of a few: one
+iteration that a shared machine's other work slowed would set the prediction for the
+rest of the run. What the plan itself costs,
 the moves, the pager's work, recompute's replays, stays the simulator's: it is inside
 the handler and not measured here. The plan is not changed.
 
@@ -33,34 +36,43 @@ Not done: on CUDA (op times are the kernels', :mod:`.kernel_times`, and the host
 cost per op is measured by the probe: untested on a GPU yet); with a ``hardware=``
 the user gave (their machine model, not ours); when the plan steps the optimizer on
 the host (that work runs in gradient hooks, outside the handler, and is the plan's).
-An iteration that departs from its trace is not used; the next followed one is.
+An iteration that departs from its trace is not used.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import replace
+
 from ..errors import TierflowError
 from ..trace import Trace
 
+#: followed iterations timed after each plan; the prediction uses their medians
+RETIMED = 3
+
 
 class Retiming:
-    """Times the first followed iteration of a plan (see the module docstring)."""
+    """Times the first followed iterations of a plan (see the module docstring)."""
 
-    _retime_due: bool = False  # a plan was made whose prediction is to be re-made
+    _retimes_left: int = 0  # followed iterations still to time for the current plan
     _timing: bool = False  # this iteration times its ops (the lean path reads it)
 
     def _retime_arm(self) -> None:
-        """A plan was just made: re-time its first followed iteration, if this run's
+        """A plan was just made: time its first followed iterations, if this run's
         machine model is its own and on the CPU."""
-        self._retime_due = (not self._cuda and self._hardware_arg is None and not self.plan.reactive
-                            and not self.plan.host_steps and self.stats.predicted_step_time_s is not None)
+        due = (not self._cuda and self._hardware_arg is None and not self.plan.reactive
+               and not self.plan.host_steps and self.stats.predicted_step_time_s is not None)
+        self._retimes_left = RETIMED if due else 0
+        self._plan_clock = (self.trace, self.hardware)  # (what the samples replace)
+        self._op_samples: list[list[float]] = [[] for _ in range(self.trace.n_ops)]
+        self._outside_samples: list[float] = []
         self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
 
     def _retime_begin(self) -> None:
         """A planned iteration begins: time it if its plan's prediction is due."""
-        self._timing = self._retime_due and self._planned
+        self._timing = self._retimes_left > 0 and self._planned
         if self._timing:
             self._op_s: list[float | None] = [None] * self._n_ops
             self._handler_s = 0.0
@@ -74,23 +86,27 @@ class Retiming:
             self._handler_s += time.perf_counter() - t0
 
     def _retime_end(self, wall_s: float) -> None:
-        """The timed iteration ended after ``wall_s`` seconds (up to its last op): the
-        prediction from its times, if it followed its plan to the end."""
+        """The timed iteration ended after ``wall_s`` seconds (up to its last op): its
+        times join the samples, and the prediction is made again from their medians,
+        if it followed its plan to the end."""
         self._timing = False
-        if self._stale or self._op != self.trace.n_ops:
-            return  # (try the next followed iteration)
-        self._retime_due = False
-        trace, hw = self.trace, self.hardware
-        timed = self._op_s
-        ops = tuple(o if d is None else replace(o, duration_s=d) for o, d in zip(trace.ops, timed))
-        outside_s = max(0.0, wall_s - self._handler_s)
         costs = getattr(self, "_host_costs", None)  # (measured at the plan: see _hardware_for)
-        if costs is None:
+        if self._stale or self._op != self.trace.n_ops or costs is None:
             return
-        lean = costs.lean_op_s
+        self._retimes_left -= 1
+        for samples, d in zip(self._op_samples, self._op_s):
+            if d is not None:
+                samples.append(d)
+        self._outside_samples.append(max(0.0, wall_s - self._handler_s))
+        trace, hw = self._plan_clock
+        ops = tuple(replace(o, duration_s=statistics.median(d)) if d else o
+                    for o, d in zip(trace.ops, self._op_samples))
+        outside_s = statistics.median(self._outside_samples)
+        n = len(self._outside_samples)
         retimed = Trace(ops, trace.tensors, name=trace.name,
-                        meta=dict(trace.meta, timing="op times of the first followed iteration"))
-        hw2 = replace(hw, op_issue_s=outside_s / max(1, trace.n_ops) + lean)
+                        meta=dict(trace.meta, timing=f"op times of the first {n} followed iteration"
+                                                     + ("s (median)" if n > 1 else "")))
+        hw2 = replace(hw, op_issue_s=outside_s / max(1, trace.n_ops) + costs.lean_op_s)
         from ..simulate import simulate
 
         try:

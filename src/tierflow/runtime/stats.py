@@ -59,14 +59,16 @@ class RunStats:
         plan_error: why the current plan failed :func:`tierflow.plan.validate`, if it did
             (it is executed anyway: what it gets wrong is fetched on demand).
         predicted_step_time_s: the simulator's step time for the current plan. In CPU
-            mode with the runtime's own machine model, from the plan's first followed
-            iteration on: the same plan scored again with that iteration's op times and
-            the model's cost per op outside the runtime (:mod:`tierflow.runtime.retime`).
+            mode with the runtime's own machine model, after each of the plan's first
+            followed iterations (three): the same plan scored again with their op times
+            and the model's cost per op outside the runtime, medians
+            (:mod:`tierflow.runtime.retime`).
         predicted_step_time_s_at_plan: the simulator's step time for the current plan
             when it was made, from the profiled iteration's times.
-        outside_handler_s: CPU mode: the first followed iteration's time outside the
+        outside_handler_s: CPU mode: the first followed iterations' time outside the
             runtime's handler (torch's dispatch-mode entry per op, the model's Python,
-            autograd, the optimizer's loop), which the prediction charges per op.
+            autograd, the optimizer's loop), their median, which the prediction charges
+            per op.
         ideal_step_time_s: the trace's sum of op times (no transfers).
         policy: the policy that made the current plan.
         host_pool_bytes, ssd_file_bytes: the tiers' sizes (allocated; at the end of the run,
