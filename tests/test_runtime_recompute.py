@@ -147,3 +147,33 @@ def test_checkpoint_fits_where_hf_gradient_checkpointing_does():
     assert s.recomputed_ops > 0 and s.planned_steps == 3
     assert s.stalls == stalls and s.unplanned_evictions == stalls  # none in a planned step
     assert s.peak_device_bytes <= hf_peak
+
+
+def test_checkpoint_fits_where_torch_utils_checkpoint_does():
+    """gpt-tiny under ``policy="checkpoint"`` at the peak of ``torch.utils.checkpoint``
+    around each block: no room made beyond the plan. (It made some twice: for a replayed
+    view's result, its argument's storage; for temporaries the replay had let go; and,
+    at the op a chain runs before, for the inputs the chain had just re-made.)"""
+    from helpers import load_benchmark
+
+    suite = load_benchmark("gpu_suite")
+    w = suite.zoo_model("gpt-tiny", 4, 32, torch.device("cpu"))
+    model, opt = w.build()
+    w.checkpoint(model)
+    step = suite.make_step(w, model, opt)
+    for i in range(2):
+        step(i)
+    ck_peak = suite.cpu_step_peak(model, opt, lambda: step(0), w.batch(0))
+
+    model, opt = w.build()
+    step = suite.make_step(w, model, opt)
+    with offload(model, opt, budget=ck_peak, policy="checkpoint") as run:
+        for i in range(2):
+            step(i)
+        before = (run.stats.stalls, run.stats.unplanned_evictions)
+        for i in range(2, 5):
+            step(i)
+    s = run.stats
+    assert s.policy == "checkpoint" and s.planned_steps == 3 and s.recomputed_ops > 0
+    assert (s.stalls, s.unplanned_evictions) == before, s.departures
+    assert s.peak_device_bytes <= ck_peak

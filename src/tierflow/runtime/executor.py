@@ -848,6 +848,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if levers and self._remakes[i]:  # recompute chains due before this op
             self._remake_before(i)
             fix = True  # (a chain's replay may have moved an input)
+            # (and has re-made the dropped ones: no room to make for them again)
+            away = sum(e.nbytes for e in ins if e.state is not RESIDENT)
         need = away + born
         if self._device_bytes + need > self.budget:
             self._make_room(need, ins)

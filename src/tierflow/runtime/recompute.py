@@ -147,9 +147,13 @@ class Recomputing:
                 return t  # a chain input: held until the chain has run
 
             spec = pytree.tree_map_only(torch.Tensor, ref, (args, kwargs))
+            # the bytes its replay makes: new storages only (a view's result is its
+            # argument's storage, which reserving for again cost an unplanned eviction)
+            given = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
             made = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                     for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
-            chain.recipe.append((func, spec, states, sum(made.values())))
+            chain.recipe.append((func, spec, states, sum(n for c, n in made.items() if c not in given)))
             for k, t in enumerate(pytree.tree_leaves(out)):
                 if isinstance(t, torch.Tensor):
                     chain.made[id(t)] = (step, k, weakref.ref(t))
@@ -245,13 +249,7 @@ class Recomputing:
                     for w, old in zip(written, saved):
                         w.copy_(old)
                     del saved, args, kwargs
-                    temp = {}
-                    for rs in results + [leaves]:
-                        for x in rs or ():
-                            if isinstance(x, torch.Tensor):
-                                st = x.untyped_storage()
-                                if st._cdata not in self._entries:
-                                    temp[st._cdata] = st.nbytes()
+                    temp = self._replay_temps(results + [leaves])
                     self._iter_peak = max(self._iter_peak, self._device_bytes + sum(temp.values()))
                     for k, x in enumerate(leaves):
                         e = targets.get((step, k))
@@ -265,12 +263,28 @@ class Recomputing:
                     for j in range(step + 1):
                         if last_read[j] == step:
                             results[j] = None  # (no later step reads them)
+                    # NOTE: what the next step makes room beside: the temporaries still to
+                    # be read, not those just let go (counting them over-reserved by a
+                    # block's widest activation, an unplanned eviction per chain)
+                    temp = self._replay_temps(results)
                     self.stats.recomputed_ops += 1
         finally:
             _set_rng_states(keep, dev)
         chain.dropped = []
         chain.recipe, chain.made = [], {}  # (the chain's inputs are released here)
         self.stats.recompute_s += time.perf_counter() - t0
+
+    def _replay_temps(self, results: list) -> dict[int, int]:
+        """The replay's own storages among ``results`` (what no entry tracks), by address:
+        their bytes."""
+        temp: dict[int, int] = {}
+        for rs in results:
+            for x in rs or ():
+                if isinstance(x, torch.Tensor):
+                    st = x.untyped_storage()
+                    if st._cdata not in self._entries:
+                        temp[st._cdata] = st.nbytes()
+        return temp
 
     def _restore(self, e: _Entry, new: torch.Tensor) -> torch.Tensor:
         """Put re-made ``new``'s bytes in dropped ``e``'s storage; return ``new`` as a view
