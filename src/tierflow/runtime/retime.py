@@ -24,8 +24,8 @@ machine model) time each op as the lean path runs it, and the time outside the
 handler. The trace's op durations become each op's median over them;
 ``Hardware.op_issue_s`` becomes the median time outside per op plus the lean path's own
 bookkeeping per op (:attr:`.host_costs.HostCosts.lean_op_s`, measured by the probe
-without the mode's entry); the simulator scores the same plan again after each, and
-``stats.predicted_step_time_s`` is its answer from then on
+without the mode's entry); the simulator scores the same plan again after the last,
+and ``stats.predicted_step_time_s`` is its answer from then on
 (``stats.predicted_step_time_s_at_plan`` keeps the first). A median of a few: one
 iteration that a shared machine's other work slowed would set the prediction for the
 rest of the run. What the plan itself costs,
@@ -98,14 +98,14 @@ class Retiming:
             if d is not None:
                 samples.append(d)
         self._outside_samples.append(max(0.0, wall_s - self._handler_s))
+        if self._retimes_left:
+            return  # NOTE: one simulation, after the last: it costs the step it ends (gpt-tiny: 20 ms)
         trace, hw = self._plan_clock
         ops = tuple(replace(o, duration_s=statistics.median(d)) if d else o
                     for o, d in zip(trace.ops, self._op_samples))
         outside_s = statistics.median(self._outside_samples)
-        n = len(self._outside_samples)
         retimed = Trace(ops, trace.tensors, name=trace.name,
-                        meta=dict(trace.meta, timing=f"op times of the first {n} followed iteration"
-                                                     + ("s (median)" if n > 1 else "")))
+                        meta=dict(trace.meta, timing=f"op times of the first {RETIMED} followed iterations (median)"))
         hw2 = replace(hw, op_issue_s=outside_s / max(1, trace.n_ops) + costs.lean_op_s)
         from ..simulate import simulate
 

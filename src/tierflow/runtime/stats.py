@@ -59,8 +59,8 @@ class RunStats:
         plan_error: why the current plan failed :func:`tierflow.plan.validate`, if it did
             (it is executed anyway: what it gets wrong is fetched on demand).
         predicted_step_time_s: the simulator's step time for the current plan. In CPU
-            mode with the runtime's own machine model, after each of the plan's first
-            followed iterations (three): the same plan scored again with their op times
+            mode with the runtime's own machine model, after the plan's first three
+            followed iterations: the same plan scored again with their op times
             and the model's cost per op outside the runtime, medians
             (:mod:`tierflow.runtime.retime`).
         predicted_step_time_s_at_plan: the simulator's step time for the current plan
