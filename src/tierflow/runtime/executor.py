@@ -165,9 +165,8 @@ def _dispatch(self, func, types, args=(), kwargs=None):
         # __torch_dispatch__ runs, torch has popped the mode, so the copies and resizes
         # it makes never come back here.
         if run._fast and not run._untracked and (not types or _PLAIN_TYPES.get(types) or _plain_types(types)):
-            # NOTE: not by swapping the method on the run for one iteration: in CPython
-            # an instance attribute set and deleted again slows every later attribute
-            # lookup on the run (its dict leaves the shared-keys form), 2x on a step
+            # NOTE: a flag read here, not a method swapped on the run for one iteration
+            # (an instance attribute shadowing a method, set and deleted again)
             if run._timing:  # (the first followed iteration of a plan: see retime)
                 return run._timed_follow_op(func, args, kwargs or {})
             return run._follow_op(func, args, kwargs or {})
@@ -323,8 +322,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._op_kernel_s: list[float] = []  # CUDA: each recorded op's kernel time, from it
         self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
-        # (see retime; set here, in one order for every run: an attribute a run gains
-        # later, in an order of its own, costs every run's lookups in CPython)
+        # (see retime)
         self._retimes_left, self._timing = 0, False
         self._op_s: list[float | None] = []
         self._handler_s = 0.0
