@@ -122,3 +122,20 @@ def test_an_iteration_that_departs_is_not_used():
         step(x[:1], y[:1])  # another batch shape: departs from the trace at once
         assert run.stats.stale_plans >= 1
         assert run.stats.outside_handler_s is None
+
+
+ZERO = {"reduce_bucket_size": 20000}  # (as tests/test_runtime_host_step.py)
+
+
+def test_a_host_step_plan_is_re_timed_and_its_steps_cost_their_measured_issue():
+    net, opt, step = _gpt_tiny()
+    with offload(net, opt, budget="95%", policy="zero_offload", policy_options=ZERO) as run:
+        for _ in range(2 + RETIMED):
+            step()
+        st, hw = run.stats, run.hardware
+        assert run.plan.host_steps and st.host_steps > 0
+        assert st.outside_handler_s is not None and st.predicted_step_time_s != st.predicted_step_time_s_at_plan
+        # the optimizer's fixed cost per host step, measured at the plan (a scratch
+        # parameter through the same proxy the host steps use)
+        assert 0 < hw.host_step_issue_s < 0.05
+        assert hw.host_step_issue_s == run._host_costs.host_step_issue_s

@@ -50,6 +50,10 @@ class HostCosts:
     #: probe calls the handler directly): what :mod:`.retime` adds to the time a
     #: followed iteration spends outside the handler, measured on the model's own ops
     lean_op_s: float = 0.0
+    #: one host optimizer step's fixed cost (``Hardware.host_step_issue_s``): the user's
+    #: optimizer stepping one tiny parameter the way a host step runs it (a proxy of
+    #: the optimizer, its class's own ``step``); 0 without an optimizer
+    host_step_issue_s: float = 0.0
 
 
 def _own_times(a: torch.Tensor, b: torch.Tensor, n: int) -> float:
@@ -90,6 +94,7 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
         run.budget = math.inf
         op_s, lean_s = _lean_op_s(run, a, b, ops, rounds, cuda)
         replay_s = _replay_op_s(run, a, b, max(1, ops // 2), rounds, cuda)
+        step_s = _host_step_s(run.optimizer, rounds) if not cuda else 0.0
     finally:
         for k in names:  # (the tables of the plan being made, or none yet)
             if k in saved:
@@ -100,7 +105,38 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
         _retire_dead(run)
         run._iter_peak = saved["_iter_peak"]
         run.stats.restore(saved_stats)
-    return HostCosts(op_s, replay_s, lean_s)
+    return HostCosts(op_s, replay_s, lean_s, step_s)
+
+
+def _host_step_s(optimizer: Any, rounds: int) -> float:
+    """Seconds of one host step beyond its bytes: ``optimizer``'s class stepping a
+    scratch parameter of 64 elements through a proxy, as :mod:`.host_step` does (the
+    update's Python: the optimizer's step for one parameter, about half a millisecond
+    for AdamW, which a rate in bytes per second does not see). The median of ``rounds``
+    steps after one that makes the state. 0 where it cannot be measured.
+
+    NOTE: the proxy holds only the scratch parameter and a state dict of its own: the
+    user's parameters and optimizer state are not read or written."""
+    from .host_step import _proxy, _raw_step
+
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return 0.0
+    with torch._C._DisableTorchDispatch():  # (the scratch update is not the model's)
+        master = torch.zeros(64)
+        master.grad = torch.full((64,), 1e-3)
+        state: dict = {}
+        times = []
+        try:
+            with torch.random.fork_rng(devices=[]):
+                for k in range(rounds + 1):
+                    t0 = time.perf_counter()
+                    _raw_step(optimizer)(_proxy(optimizer, groups[0], master, state))
+                    if k:  # (the first makes the state)
+                        times.append(time.perf_counter() - t0)
+        except Exception:  # (an optimizer that cannot step a lone parameter: not measured)
+            return 0.0
+    return statistics.median(times)
 
 
 def _retire_dead(run: Any) -> None:

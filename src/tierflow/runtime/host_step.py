@@ -514,6 +514,7 @@ class HostSteps:
                     "(more backward passes than the profiled iteration had); profile with the same "
                     "number of backward passes per optimizer step, or pass host_step_overlap=False")
             q, self._quiet = self._quiet, True
+            t0 = time.perf_counter()
             try:
                 self._host_send(hp)
                 if self._host_overlap and self._op > hp.last_read:
@@ -522,6 +523,8 @@ class HostSteps:
                     self.stats.host_steps_in_backward += 1
             finally:
                 self._quiet = q
+                if self._timing:  # (the runtime's own work, not the model's: see retime)
+                    self._handler_s += time.perf_counter() - t0
         return hook
 
     def _host_state_read(self, optimizer: Any, *args: Any) -> None:

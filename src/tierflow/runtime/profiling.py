@@ -383,7 +383,8 @@ class Profiling:
         return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
                         description="CPU mode: device and host are both RAM, the budget accounted",
                         host_compute=host, move_issue_s=move_s, op_issue_s=costs.op_issue_s,
-                        recompute_issue_s=costs.recompute_issue_s, host_copies=True)
+                        recompute_issue_s=costs.recompute_issue_s, host_step_issue_s=costs.host_step_issue_s,
+                        host_copies=True)
 
     def _measured_host_costs(self) -> HostCosts:
         """The runtime's cost per op and per replayed op on this machine, measured at the
@@ -395,7 +396,7 @@ class Profiling:
             costs = measure_host_costs(self)
             if self._sync is not None:  # (the largest: a min of the negated figures)
                 costs = HostCosts(*(-self._sync.min(-c) for c in (costs.op_issue_s, costs.recompute_issue_s,
-                                                                   costs.lean_op_s)))
+                                                                   costs.lean_op_s, costs.host_step_issue_s)))
             self._host_costs = costs
         return costs
 

@@ -32,13 +32,15 @@ rest of the run. What the plan itself costs, the moves, the pager's work, recomp
 replays, stays the simulator's: it is inside the handler and not measured here. The
 plan is not changed.
 
-Not done: on CUDA (op times are the kernels', :mod:`.kernel_times`, and the host's
-cost per op is measured by the probe: untested on a GPU yet); with a ``hardware=``
-the user gave (their machine model, not ours); when the plan steps the optimizer on
-the host (that work runs in gradient hooks, outside the handler, and is the plan's;
-the runtime's cost per host step, about 0.5 ms a parameter on gpt-tiny in CPU mode, is
-not in the machine model either: ``Hardware.host_step_issue_s`` stays 0).
-An iteration that departs from its trace is not used.
+A plan that steps the optimizer on the host is re-timed too: its gradient hooks' work
+(sending a gradient, starting its update) is the runtime's, counted with the handler's
+time and left to the simulator (``Hardware.host_step_issue_s``, measured at the plan:
+the optimizer stepping one scratch parameter, :mod:`.host_costs`); what the updates'
+worker thread takes from the main one (CPython's lock: both run Python) is in the
+medians. Not done: on CUDA (op times are the kernels', :mod:`.kernel_times`, and the
+host's cost per op is measured by the probe: untested on a GPU yet); with a
+``hardware=`` the user gave (their machine model, not ours). An iteration that departs
+from its trace is not used.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Retiming:
         """A plan was just made: time its first followed iterations, if this run's
         machine model is its own and on the CPU."""
         due = (not self._cuda and self._hardware_arg is None and not self.plan.reactive
-               and not self.plan.host_steps and self.stats.predicted_step_time_s is not None)
+               and self.stats.predicted_step_time_s is not None)
         self._retimes_left = RETIMED if due else 0
         self._plan_clock = (self.trace, self.hardware)  # (what the samples replace)
         self._op_samples: list[list[float]] = [[] for _ in range(self.trace.n_ops)]
