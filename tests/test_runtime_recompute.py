@@ -125,28 +125,37 @@ def test_checkpoint_fits_where_hf_gradient_checkpointing_does():
     pytest.importorskip("transformers")
     from helpers import load_benchmark
 
+    w = load_benchmark("gpu_suite").hf_gpt2(torch.device("cpu"), tiny=True)
+    run, peak, before = _checkpoint_at_the_peers_peak(w)
+    s = run.stats
+    assert s.plan_error is None and s.policy == "checkpoint", s.plan_error
+    assert s.recomputed_ops > 0 and s.planned_steps == 3
+    assert (s.stalls, s.unplanned_evictions) == before, s.departures  # none in a planned step
+    assert s.peak_device_bytes <= peak
+
+
+def _checkpoint_at_the_peers_peak(w):
+    """``w`` (a gpu_suite workload) under ``policy="checkpoint"`` at the peak its own
+    checkpointing reaches: ``(run, that peak, (stalls, unplanned evictions) before the
+    planned steps)``; a warm-up, the profiled step, then 3 planned steps."""
+    from helpers import load_benchmark
+
     suite = load_benchmark("gpu_suite")
-    w = suite.hf_gpt2(torch.device("cpu"), tiny=True)
     model, opt = w.build()
     w.checkpoint(model)
     step = suite.make_step(w, model, opt)
     for i in range(2):
         step(i)
-    hf_peak = suite.cpu_step_peak(model, opt, lambda: step(0), w.batch(0))
-
+    peak = suite.cpu_step_peak(model, opt, lambda: step(0), w.batch(0))
     model, opt = w.build()
     step = suite.make_step(w, model, opt)
-    with offload(model, opt, budget=hf_peak, policy="checkpoint") as run:
-        for i in range(2):  # (a warm-up, then the profiled step, under the reactive pager)
+    with offload(model, opt, budget=peak, policy="checkpoint") as run:
+        for i in range(2):  # (under the reactive pager)
             step(i)
-        stalls = run.stats.stalls
+        before = (run.stats.stalls, run.stats.unplanned_evictions)
         for i in range(2, 5):
             step(i)
-    s = run.stats
-    assert s.plan_error is None and s.policy == "checkpoint", s.plan_error
-    assert s.recomputed_ops > 0 and s.planned_steps == 3
-    assert s.stalls == stalls and s.unplanned_evictions == stalls  # none in a planned step
-    assert s.peak_device_bytes <= hf_peak
+    return run, peak, before
 
 
 def test_checkpoint_fits_where_torch_utils_checkpoint_does():
@@ -156,24 +165,9 @@ def test_checkpoint_fits_where_torch_utils_checkpoint_does():
     at the op a chain runs before, for the inputs the chain had just re-made.)"""
     from helpers import load_benchmark
 
-    suite = load_benchmark("gpu_suite")
-    w = suite.zoo_model("gpt-tiny", 4, 32, torch.device("cpu"))
-    model, opt = w.build()
-    w.checkpoint(model)
-    step = suite.make_step(w, model, opt)
-    for i in range(2):
-        step(i)
-    ck_peak = suite.cpu_step_peak(model, opt, lambda: step(0), w.batch(0))
-
-    model, opt = w.build()
-    step = suite.make_step(w, model, opt)
-    with offload(model, opt, budget=ck_peak, policy="checkpoint") as run:
-        for i in range(2):
-            step(i)
-        before = (run.stats.stalls, run.stats.unplanned_evictions)
-        for i in range(2, 5):
-            step(i)
+    w = load_benchmark("gpu_suite").zoo_model("gpt-tiny", 4, 32, torch.device("cpu"))
+    run, peak, before = _checkpoint_at_the_peers_peak(w)
     s = run.stats
     assert s.policy == "checkpoint" and s.planned_steps == 3 and s.recomputed_ops > 0
     assert (s.stalls, s.unplanned_evictions) == before, s.departures
-    assert s.peak_device_bytes <= ck_peak
+    assert s.peak_device_bytes <= peak

@@ -799,12 +799,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # (one row of per-op facts, see _make_plan: one lookup instead of a dozen)
         _f, trivial, next_op, flat, binds, levers, born, views_only, sizes, spots, bind_out, moves = row
         if trivial:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
-            if self._timing:  # (the first followed iteration: see retime)
-                t0 = time.perf_counter()
-                out = func(*args, **kwargs)
-                self._op_s[i] = time.perf_counter() - t0
-            else:
-                out = func(*args, **kwargs)
+            out = self._timed_call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
             self._op = next_op  # (i + 1, past ops the host runs)
             return out
         entries, dev, entry = self._entries, self._dev_attr, self._entry
@@ -859,12 +854,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     e.touched = True
         chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
-        if self._timing:  # (the first followed iteration: see retime)
-            t0 = time.perf_counter()
-            out = func(*args, **kwargs)
-            self._op_s[i] = time.perf_counter() - t0
-        else:
-            out = func(*args, **kwargs)
+        # (the first followed iterations time each op: see retime)
+        out = self._timed_call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
         if views_only:  # (views of the arguments: no new storage, nothing to check)
             outs = _NO_OUTS
         else:

@@ -89,6 +89,13 @@ class Retiming:
         finally:
             self._handler_s += time.perf_counter() - t0
 
+    def _timed_call(self, i: int, func, args, kwargs):
+        """Run op ``i`` of a timed iteration, keeping its time."""
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self._op_s[i] = time.perf_counter() - t0
+        return out
+
     def _retime_end(self, wall_s: float) -> None:
         """The timed iteration ended after ``wall_s`` seconds (up to its last op): its
         times join the samples, and the prediction is made again from their medians,
