@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .recompute import _Chain, _Made
+from .recompute import _Chain, _Made, _step
 
 _ADD = torch.ops.aten.add.Tensor
 
@@ -195,7 +195,9 @@ def _replay_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, chains: int, rounds
     """Per replayed op: ``chains`` scratch chains of two adds through the real replay
     (:meth:`_remake`), less the adds' own time (CPU mode)."""
     out_bytes = a.untyped_storage().nbytes()
-    recipe = [(_ADD, ((a, b), {}), None, out_bytes), (_ADD, ((_Made(0, 0), b), {}), None, out_bytes)]
+    made = {id(a): _Made(0, 0)}  # (the second add reads the first's result)
+    recipe = [_step(_ADD, (a, b), {}, lambda t: t, None, out_bytes),
+              _step(_ADD, (a, b), {}, lambda t: made.get(id(t), t), None, out_bytes)]
     n = 2 * chains
     costs = []
     for _ in range(rounds):

@@ -7,8 +7,8 @@ The runtime works on storages, as it does for moves: after the tensor's last use
 ``before_op`` its storage is shrunk to zero bytes (``untyped_storage().resize_(0)``,
 like an eviction with no copy), so the saved tensor autograd holds stays a valid object
 and the memory is gone; before ``before_op`` the chain's ops run again and the re-made
-bytes are copied back into the same storage, so autograd and every view of it see the
-values they saw in forward. No module is wrapped and no graph changes: the user's model
+bytes go back into the same storage (its memory swapped in where torch can, else
+copied), so autograd and every view of it see the values they saw in forward. No module is wrapped and no graph changes: the user's model
 and loop are untouched, and nothing has to be undone on exit. (PyTorch's
 ``torch.utils.checkpoint`` and its selective variant re-run a *module's* forward under
 saved-tensor hooks; a plan's chain is a list of aten ops that need not match a module,
@@ -31,7 +31,7 @@ program's random stream is unchanged. An op that writes one of its arguments in 
 after the op, so the statistics are updated once per step, as without tierflow (the
 ``checkpoint`` and ``selective`` policies model ``torch.utils.checkpoint``, which
 updates them twice; the runtime keeps plain PyTorch's result). Replayed results that are
-not re-made tensors are temporaries, freed when the replay ends.
+not re-made tensors are temporaries, let go after the last step that reads them.
 
 Correctness first: an op (or autograd unpacking a saved tensor) that needs a dropped
 tensor earlier than planned re-makes its chain on the spot, as a fetch would.
@@ -63,6 +63,42 @@ class _Made:
     leaf: int
 
 
+@dataclass(slots=True)
+class _Step:
+    """One recorded op of a chain, laid out for its replay.
+
+    NOTE: the arguments are kept flat, with the slots an earlier step's result goes in:
+    walking a pytree per replayed op (map, then leaves) cost two thirds of a replay."""
+
+    func: Any
+    vals: list  # the arguments' leaves; a _Made where an earlier step's result goes
+    spec: Any  # their pytree spec; None: ``vals`` are the positional arguments, no kwargs
+    made_at: tuple[tuple[int, _Made], ...]  # (index in vals, reference)
+    states: Any  # the random generators' states before it, if it draws
+    out_bytes: int  # what it makes: new storages only
+
+
+def _step(func: Any, args: tuple, kwargs: dict, ref: Any, states: Any, out_bytes: int) -> _Step:
+    """A :class:`_Step` for ``func(*args, **kwargs)``; ``ref`` maps each tensor argument
+    to itself or to a :class:`_Made`."""
+    if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
+        vals, spec = [ref(a) if isinstance(a, torch.Tensor) else a for a in args], None
+    else:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        vals = [ref(a) if isinstance(a, torch.Tensor) else a for a in leaves]
+    made_at = tuple((j, v) for j, v in enumerate(vals) if isinstance(v, _Made))
+    return _Step(func, vals, spec, made_at, states, out_bytes)
+
+
+def _out_leaves(out: Any) -> list:
+    """An op's results, in the order recording and replay both number them."""
+    if out.__class__ is torch.Tensor:
+        return [out]
+    if out.__class__ in (tuple, list) and all(x.__class__ is torch.Tensor for x in out):
+        return list(out)
+    return pytree.tree_leaves(out)
+
+
 @dataclass
 class _Chain:
     """One Recompute of the plan, and what this iteration recorded of it."""
@@ -70,7 +106,7 @@ class _Chain:
     ops: tuple[int, ...]
     tensors: tuple[int, ...]
     before_op: int
-    recipe: list[tuple] = field(default_factory=list)  # (func, args/kwargs spec, rng states)
+    recipe: list[_Step] = field(default_factory=list)
     made: dict[int, tuple[int, int, Any]] = field(default_factory=dict)  # id(tensor) -> (step, leaf, weakref)
     source: dict[int, tuple[int, int]] = field(default_factory=dict)  # tensor id -> (step, leaf)
     dropped: list[tuple[_Entry, tuple[int, int]]] = field(default_factory=list)  # (entry, its source)
@@ -146,15 +182,16 @@ class Recomputing:
                     return _Made(hit[0], hit[1])
                 return t  # a chain input: held until the chain has run
 
-            spec = pytree.tree_map_only(torch.Tensor, ref, (args, kwargs))
+            outs = _out_leaves(out)
             # the bytes its replay makes: new storages only (a view's result is its
             # argument's storage, which reserving for again cost an unplanned eviction)
             given = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs))
                      if isinstance(t, torch.Tensor)}
             made = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
-            chain.recipe.append((func, spec, states, sum(n for c, n in made.items() if c not in given)))
-            for k, t in enumerate(pytree.tree_leaves(out)):
+                    for t in outs if isinstance(t, torch.Tensor)}
+            chain.recipe.append(_step(func, args, kwargs, ref, states,
+                                      sum(n for c, n in made.items() if c not in given)))
+            for k, t in enumerate(outs):
                 if isinstance(t, torch.Tensor):
                     chain.made[id(t)] = (step, k, weakref.ref(t))
                     e = self._entries.get(t.untyped_storage()._cdata)
@@ -210,7 +247,7 @@ class Recomputing:
         t0 = time.perf_counter()
         dev = self.device
         inputs: list[_Entry] = []
-        for x in pytree.tree_leaves([spec for _f, spec, *_ in chain.recipe]):
+        for x in (v for st in chain.recipe for v in st.vals):
             # a chain input that is itself away or dropped (another chain's tensor) first
             if isinstance(x, torch.Tensor) and getattr(x, self._dev_attr) is True:
                 e = self._entries.get(x.untyped_storage()._cdata)
@@ -222,21 +259,26 @@ class Recomputing:
         targets = {src: e for e, src in chain.dropped if e.ref() is not None and e.state is DROPPED}
         # the last step that reads each step's results: they are let go after it
         last_read = list(range(len(chain.recipe)))
-        for step, (_f, spec, *_r) in enumerate(chain.recipe):
-            for m in pytree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, _Made)):
-                if isinstance(m, _Made):
-                    last_read[m.step] = max(last_read[m.step], step)
+        for step, st in enumerate(chain.recipe):
+            for _j, m in st.made_at:
+                last_read[m.step] = max(last_read[m.step], step)
         keep = rng_states(dev)
         results: list[list[Any] | None] = []
         temp: dict[int, int] = {}  # the replay's own storages alive now (tracked ones are counted)
         restored: list[_Entry] = []  # re-made so far: later steps may read them, not to be evicted
         try:
             with torch.no_grad():
-                for step, (func, spec, states, out_bytes) in enumerate(chain.recipe):
+                for step, st in enumerate(chain.recipe):
+                    func, states, out_bytes = st.func, st.states, st.out_bytes
                     # room for what this op makes, beside the replay's live temporaries
                     # (a re-made tensor's bytes become its storage's: see _restore)
                     self._make_room(sum(temp.values()) + out_bytes, inputs + restored)
-                    args, kwargs = pytree.tree_map_only(_Made, lambda m: results[m.step][m.leaf], spec)
+                    vals = st.vals
+                    if st.made_at:
+                        vals = list(vals)
+                        for j, m in st.made_at:
+                            vals[j] = results[m.step][m.leaf]
+                    args, kwargs = (vals, {}) if st.spec is None else pytree.tree_unflatten(vals, st.spec)
                     if states is not None:
                         _set_rng_states(states, dev)
                     # what the op writes in place that the chain did not make (a training
@@ -245,7 +287,7 @@ class Recomputing:
                     written = [w for w in writes(func, args, kwargs)
                                if not any(w is r for rs in results for r in rs or ())]
                     saved = [w.clone() for w in written]
-                    leaves = pytree.tree_leaves(func(*args, **kwargs))
+                    leaves = _out_leaves(func(*args, **kwargs))
                     for w, old in zip(written, saved):
                         w.copy_(old)
                     del saved, args, kwargs
