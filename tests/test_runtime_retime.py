@@ -139,3 +139,17 @@ def test_a_host_step_plan_is_re_timed_and_its_steps_cost_their_measured_issue():
         # parameter through the same proxy the host steps use)
         assert 0 < hw.host_step_issue_s < 0.05
         assert hw.host_step_issue_s == run._host_costs.host_step_issue_s
+
+
+def test_a_recompute_plan_charges_its_replays_as_measured():
+    net, opt, step = _gpt_tiny()
+    with offload(net, opt, budget=None, policy="checkpoint", policy_options={"always": True}) as run:
+        for _ in range(2 + RETIMED):
+            step()
+        assert run.plan.recomputes and run.stats.recomputed_ops > 0
+        # per replayed op, beyond the op: the replay and the forward's recording and
+        # drops, each timed iteration's, their median (not the probe's scratch chains)
+        samples = run._replay_samples
+        assert len(samples) == RETIMED and all(x > 0 for x in samples)
+        assert run.hardware.recompute_issue_s == sorted(samples)[RETIMED // 2]
+        assert run.hardware.recompute_issue_s != run._host_costs.recompute_issue_s

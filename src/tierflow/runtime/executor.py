@@ -329,6 +329,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._plan_clock: tuple = (None, None)
         self._op_samples: list[list[float]] = []
         self._outside_samples: list[float] = []
+        self._replay_samples: list[float] = []
+        self._replay_from = (0.0, 0)
+        self._record_s = 0.0
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
@@ -899,10 +902,13 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             elif bind_out is not None:
                 self._bind(i, bind_out, outs)
         if levers and not self._stale:
+            t0 = time.perf_counter() if self._timing else 0.0
             if chains:
                 self._record(i, func, args, kwargs, out, states)
             if self._drops[i]:
                 self._drop(i)
+            if self._timing:  # (what recompute costs forward: see retime)
+                self._record_s += time.perf_counter() - t0
         if self._hinted:  # a reactive plan's pager evicts least recently used first
             # (the op's inputs: a result enters the LRU order at its end when it is bound)
             lru = self._lru

@@ -24,13 +24,15 @@ machine model) time each op as the lean path runs it, and the time outside the
 handler. The trace's op durations become each op's median over them;
 ``Hardware.op_issue_s`` becomes the median time outside per op plus the lean path's own
 bookkeeping per op (:attr:`.host_costs.HostCosts.lean_op_s`, measured by the probe
-without the mode's entry); the simulator scores the same plan again after the last,
+without the mode's entry); ``Hardware.recompute_issue_s`` becomes the median time a
+replay spends per replayed op beyond the ops themselves, with the recording and drops
+of the chains in forward (the probe's scratch chains record nothing and restore
+nothing); the simulator scores the same plan again after the last,
 and ``stats.predicted_step_time_s`` is its answer from then on
 (``stats.predicted_step_time_s_at_plan`` keeps the first). A median of a few: one
 iteration that a shared machine's other work slowed would set the prediction for the
-rest of the run. What the plan itself costs, the moves, the pager's work, recompute's
-replays, stays the simulator's: it is inside the handler and not measured here. The
-plan is not changed.
+rest of the run. What the plan itself costs, the moves, the pager's work, how many ops
+it replays, stays the simulator's. The plan is not changed.
 
 A plan that steps the optimizer on the host is re-timed too: its gradient hooks' work
 (sending a gradient, starting its update) is the runtime's, counted with the handler's
@@ -72,6 +74,7 @@ class Retiming:
         self._plan_clock = (self.trace, self.hardware)  # (what the samples replace)
         self._op_samples: list[list[float]] = [[] for _ in range(self.trace.n_ops)]
         self._outside_samples: list[float] = []
+        self._replay_samples: list[float] = []
         self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
 
     def _retime_begin(self) -> None:
@@ -80,6 +83,8 @@ class Retiming:
         if self._timing:
             self._op_s: list[float | None] = [None] * self._n_ops
             self._handler_s = 0.0
+            self._replay_from = (self.stats.recompute_s, self.stats.recomputed_ops)
+            self._record_s = 0.0
 
     def _timed_follow_op(self, func, args, kwargs):
         """``_follow_op`` with the time spent inside it counted (the handler's share)."""
@@ -88,6 +93,20 @@ class Retiming:
             return self._follow_op(func, args, kwargs)
         finally:
             self._handler_s += time.perf_counter() - t0
+
+    def _replay_cost(self) -> float | None:
+        """Seconds per replayed op beyond the op itself in the iteration just timed: its
+        chains' replays, less their ops' times as the forward ran them, and their
+        recording and drops in forward (each recorded op is replayed once); None
+        without a replay."""
+        t0, n0 = self._replay_from
+        n = self.stats.recomputed_ops - n0
+        if n <= 0:
+            return None
+        durations = self._plan_clock[0].ops
+        own = sum(self._op_s[o] if self._op_s[o] is not None else durations[o].duration_s
+                  for r in self.plan.recomputes for o in r.ops)
+        return max(0.0, (self.stats.recompute_s - t0 - own + self._record_s) / n)
 
     def _timed_call(self, i: int, func, args, kwargs):
         """Run op ``i`` of a timed iteration, keeping its time."""
@@ -109,6 +128,9 @@ class Retiming:
             if d is not None:
                 samples.append(d)
         self._outside_samples.append(max(0.0, wall_s - self._handler_s))
+        replay = self._replay_cost()
+        if replay is not None:
+            self._replay_samples.append(replay)
         if self._retimes_left:
             return  # NOTE: one simulation, after the last: it costs the step it ends (gpt-tiny: 20 ms)
         trace, hw = self._plan_clock
@@ -118,6 +140,8 @@ class Retiming:
         retimed = Trace(ops, trace.tensors, name=trace.name,
                         meta=dict(trace.meta, timing=f"op times of the first {RETIMED} followed iterations (median)"))
         hw2 = replace(hw, op_issue_s=outside_s / max(1, trace.n_ops) + costs.lean_op_s)
+        if self._replay_samples:
+            hw2 = replace(hw2, recompute_issue_s=statistics.median(self._replay_samples))
         from ..simulate import simulate
 
         try:
