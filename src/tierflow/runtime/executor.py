@@ -322,16 +322,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._op_kernel_s: list[float] = []  # CUDA: each recorded op's kernel time, from it
         self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
-        # (see retime)
-        self._retimes_left, self._timing = 0, False
-        self._op_s: list[float | None] = []
-        self._handler_s = 0.0
-        self._plan_clock: tuple = (None, None)
-        self._op_samples: list[list[float]] = []
-        self._outside_samples: list[float] = []
-        self._replay_samples: list[float] = []
-        self._replay_from = (0.0, 0)
-        self._record_s = 0.0
         self._quiet = False
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"

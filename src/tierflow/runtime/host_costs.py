@@ -1,6 +1,8 @@
 """What the runtime itself costs the thread that dispatches the ops, measured on the
 machine at hand for the hardware model (``Hardware.op_issue_s``,
-``Hardware.recompute_issue_s``): a few tens of milliseconds, once per run.
+``Hardware.recompute_issue_s``, ``Hardware.host_step_issue_s``): a few tens of
+milliseconds, once per run. In CPU mode :mod:`.retime` measures the first two again on
+the model's own ops, once a plan has run a few steps.
 
 Why this is needed. The trace's op durations are what each op took, timed around the
 op alone (CPU: the host's clock around the kernel call; CUDA: events on the stream).
@@ -25,7 +27,6 @@ counters and stats put back.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import statistics
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from .moves import left_as_it_was
 from .recompute import _Chain, _Made, _step
 
 _ADD = torch.ops.aten.add.Tensor
@@ -42,7 +44,8 @@ _ADD = torch.ops.aten.add.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class HostCosts:
-    """Seconds of the dispatching thread per op, beyond the op's traced duration."""
+    """Seconds of the dispatching thread per op (per replayed op, per host step), beyond
+    the op's traced duration."""
 
     op_issue_s: float
     recompute_issue_s: float
@@ -80,39 +83,32 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
         rounds: rounds of each probe; the median counts.
         numel: elements of the probe's tensors (small: the op's own time is not the point).
     """
-    saved_stats = copy.deepcopy(run.stats)
     names = ("_optab", "_n_ops", "_op", "_fast", "_quiet", "_hinted", "_stale", "budget", "_op_labels",
              "_iter_peak", "_chains", "_dropped_in")
-    saved = {k: getattr(run, k) for k in names if hasattr(run, k)}
     dev = run.device
-    with torch._C._DisableTorchDispatch():
-        a = torch.ones(numel, device=dev)
-        b = torch.ones(numel, device=dev)
     cuda = dev.type == "cuda"
-    try:
-        # (no room is ever made for the probe: its few hundred bytes are not the budget's)
-        run.budget = math.inf
-        op_s, lean_s = _lean_op_s(run, a, b, ops, rounds, cuda)
-        replay_s = _replay_op_s(run, a, b, max(1, ops // 2), rounds, cuda)
-        step_s = _host_step_s(run.optimizer, rounds) if not cuda else 0.0
-    finally:
-        for k in names:  # (the tables of the plan being made, or none yet)
-            if k in saved:
-                setattr(run, k, saved[k])
-            elif hasattr(run, k):
-                delattr(run, k)
-        del a, b
-        _retire_dead(run)
-        run._iter_peak = saved["_iter_peak"]
-        run.stats.restore(saved_stats)
+    # (the tables of the plan being made, or none yet, are put back)
+    with left_as_it_was(run, names):
+        with torch._C._DisableTorchDispatch():
+            a = torch.ones(numel, device=dev)
+            b = torch.ones(numel, device=dev)
+        try:
+            # (no room is ever made for the probe: its few hundred bytes are not the budget's)
+            run.budget = math.inf
+            op_s, lean_s = _lean_op_s(run, a, b, ops, rounds, cuda)
+            replay_s = _replay_op_s(run, a, b, max(1, ops // 2), rounds, cuda)
+            step_s = _host_step_s(run.optimizer, rounds) if not cuda else 0.0
+        finally:
+            del a, b
+            run._retire_dead()
     return HostCosts(op_s, replay_s, lean_s, step_s)
 
 
 def _host_step_s(optimizer: Any, rounds: int) -> float:
     """Seconds of one host step beyond its bytes: ``optimizer``'s class stepping a
     scratch parameter of 64 elements through a proxy, as :mod:`.host_step` does (the
-    update's Python: the optimizer's step for one parameter, about half a millisecond
-    for AdamW, which a rate in bytes per second does not see). The median of ``rounds``
+    update's Python: the optimizer's step for one parameter, 55-100 us for AdamW on the
+    2-core CI VM, which a rate in bytes per second does not see). The median of ``rounds``
     steps after one that makes the state. 0 where it cannot be measured.
 
     NOTE: the proxy holds only the scratch parameter and a state dict of its own: the
@@ -137,15 +133,6 @@ def _host_step_s(optimizer: Any, rounds: int) -> float:
         except Exception:  # (an optimizer that cannot step a lone parameter: not measured)
             return 0.0
     return statistics.median(times)
-
-
-def _retire_dead(run: Any) -> None:
-    """Forget storages that died (the probe's among them), as the next op would."""
-    dead, entries = run._dead, run._entries
-    while dead:
-        e = entries.get(dead.popleft())
-        if e is not None and e.ref() is None:
-            run._retire(e)
 
 
 def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, cuda: bool) -> tuple[float, float]:
@@ -184,7 +171,7 @@ def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, 
                     dt = time.perf_counter() - t0
             run._fast, run._quiet = False, True
             del x
-            _retire_dead(run)
+            run._retire_dead()
             costs.append(dt - own)
     if cuda:
         torch.cuda.synchronize(a.device)

@@ -12,9 +12,14 @@ tensor from its bounce slot, a failed read leaves it in the file.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import ctypes
 import math
 import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -23,6 +28,25 @@ from .errors import OffloadError, SSDError
 from .recompute import DROPPED
 from .storages import AWAY, INCOMING, OWNED, RESIDENT, _Entry, _u8
 from .streams import Copier
+
+
+@contextlib.contextmanager
+def left_as_it_was(run: Any, names: tuple[str, ...]) -> Iterator[None]:
+    """For a probe that runs scratch tensors through the run's own code: on the way out
+    the attributes ``names`` are put back as they were (deleted where they did not
+    exist: a plan's tables not made yet) and ``run.stats`` is restored in place (the
+    user may hold it)."""
+    saved_stats = copy.deepcopy(run.stats)
+    kept = {k: getattr(run, k) for k in names if hasattr(run, k)}
+    try:
+        yield
+    finally:
+        for k in names:
+            if k in kept:
+                setattr(run, k, kept[k])
+            elif hasattr(run, k):
+                delattr(run, k)
+        run.stats.restore(saved_stats)
 
 
 class Moves:
@@ -228,49 +252,40 @@ class Moves:
         planned move there adds more to the step (the move table's loop, the queue, the
         pager's unplanned work, caches the copies evict): BENCHMARKS.md, "CPU-mode
         prediction"."""
-        import copy
-        from collections import deque
-
-        saved = copy.deepcopy(self.stats)
         names = ("_actions", "_iter_entries", "_pending", "budget", "_hinted", "_dead_held")
-        kept = {k: getattr(self, k) for k in names if hasattr(self, k)}
-        with torch._C._DisableTorchDispatch():
-            ts = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(tensors)]
-        sts = [t.untyped_storage() for t in ts]
-        # (never in self._entries; each eviction takes its bytes off the device count and
-        # each fetch puts them back, so the count ends where it began)
-        es = [_Entry(-1 - k, nbytes, (lambda st=st: st), kind="activation", name="<move probe>")
-              for k, st in enumerate(sts)]
-        # after op k: evict scratch tensor k; after op tensors + k: prefetch it (one move
-        # an op, about what a planned iteration fires: 1.3 on gpt-tiny at 30%)
-        self._actions = ([((True, k, None, "host", None),) for k in range(tensors)]
-                         + [((False, k, None, "host", None),) for k in range(tensors)])
-        self._iter_entries = es
-        self._pending, self._dead_held = deque(), deque()
-        self.budget, self._hinted = math.inf, False  # (the probe's bytes are not the budget's)
-        fire, ops = self._fire, range(2 * tensors)
-        try:
-            # (below the dispatch mode, as a move made while an op is dispatched runs)
+        with left_as_it_was(self, names):
+            planned_before = self.stats.planned_moves
             with torch._C._DisableTorchDispatch():
-                t0 = time.perf_counter()
-                for _ in range(rounds):
-                    for op in ops:
-                        fire(op)
-                    self._reap()
-                elapsed = time.perf_counter() - t0
-            moved = self.stats.planned_moves - saved.planned_moves
-        finally:
-            for e in es:
-                if e.state != RESIDENT:
-                    self._fetch(e)
-                self._lru.pop(e.cdata, None)  # (a fetched activation joins the LRU order)
-            self._reap(wait=True)
-            for k in names:
-                if k in kept:
-                    setattr(self, k, kept[k])
-                elif hasattr(self, k):
-                    delattr(self, k)
-            self.stats.restore(saved)
+                ts = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(tensors)]
+            sts = [t.untyped_storage() for t in ts]
+            # (never in self._entries; each eviction takes its bytes off the device count and
+            # each fetch puts them back, so the count ends where it began)
+            es = [_Entry(-1 - k, nbytes, (lambda st=st: st), kind="activation", name="<move probe>")
+                  for k, st in enumerate(sts)]
+            # after op k: evict scratch tensor k; after op tensors + k: prefetch it (one move
+            # an op, about what a planned iteration fires: 1.3 on gpt-tiny at 30%)
+            self._actions = ([((True, k, None, "host", None),) for k in range(tensors)]
+                             + [((False, k, None, "host", None),) for k in range(tensors)])
+            self._iter_entries = es
+            self._pending, self._dead_held = deque(), deque()
+            self.budget, self._hinted = math.inf, False  # (the probe's bytes are not the budget's)
+            fire, ops = self._fire, range(2 * tensors)
+            try:
+                # (below the dispatch mode, as a move made while an op is dispatched runs)
+                with torch._C._DisableTorchDispatch():
+                    t0 = time.perf_counter()
+                    for _ in range(rounds):
+                        for op in ops:
+                            fire(op)
+                        self._reap()
+                    elapsed = time.perf_counter() - t0
+                moved = self.stats.planned_moves - planned_before
+            finally:
+                for e in es:
+                    if e.state != RESIDENT:
+                        self._fetch(e)
+                    self._lru.pop(e.cdata, None)  # (a fetched activation joins the LRU order)
+                self._reap(wait=True)
         if moved != 2 * rounds * tensors:
             return 0.0  # (a move was refused, the host pool full: nothing measured)
         return elapsed / moved
@@ -459,10 +474,7 @@ class Moves:
     def _reap(self, wait: bool = False) -> None:
         """Retire what finished: dead storages, completed copies (slots freed), SSD
         writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
-        while self._dead:
-            e = self._entries.get(self._dead.popleft())
-            if e is not None and e.ref() is None:  # (alive: the address holds a new storage)
-                self._retire(e)
+        self._retire_dead()
         if self._inflight:
             self._inflight = [r for r in self._inflight if not self._release(r)]
         while self._frees and (wait or Copier.done(self._frees[0][0])):
@@ -473,6 +485,13 @@ class Moves:
             self._retire_leaving(every=wait)
         for e in list(self._writes):
             self._finish_write(e, wait=wait)
+
+    def _retire_dead(self) -> None:
+        """Forget the storages that died since (their weak references said so)."""
+        while self._dead:
+            e = self._entries.get(self._dead.popleft())
+            if e is not None and e.ref() is None:  # (alive: the address holds a new storage)
+                self._retire(e)
 
     def _wait_for_transfers(self, reason: str) -> None:
         """Block until every copy and SSD write in flight has finished (a buffer is full

@@ -387,8 +387,9 @@ class Profiling:
                         host_copies=True)
 
     def _measured_host_costs(self) -> HostCosts:
-        """The runtime's cost per op and per replayed op on this machine, measured at the
-        first plan (:mod:`.host_costs`), the slowest rank's (the ranks plan alike)."""
+        """The runtime's costs per op, per replayed op and per host step on this machine,
+        measured at the first plan (:mod:`.host_costs`), the slowest rank's (the ranks
+        plan alike)."""
         from .host_costs import HostCosts, measure_host_costs
 
         costs = getattr(self, "_host_costs", None)
@@ -554,7 +555,7 @@ class Profiling:
         self.stats.plan_digest = plan_digest(plan)
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
-        self._retime_arm()  # (CPU mode: the prediction again from the first followed iteration)
+        self._retime_arm()  # (CPU mode: the prediction again from the first followed iterations)
         self._layout = self._plan_layout(trace, plan, hw)
         self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)

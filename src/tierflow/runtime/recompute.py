@@ -8,8 +8,9 @@ The runtime works on storages, as it does for moves: after the tensor's last use
 like an eviction with no copy), so the saved tensor autograd holds stays a valid object
 and the memory is gone; before ``before_op`` the chain's ops run again and the re-made
 bytes go back into the same storage (its memory swapped in where torch can, else
-copied), so autograd and every view of it see the values they saw in forward. No module is wrapped and no graph changes: the user's model
-and loop are untouched, and nothing has to be undone on exit. (PyTorch's
+copied), so autograd and every view of it see the values they saw in forward. No module
+is wrapped and no graph changes: the user's model and loop are untouched, and nothing
+has to be undone on exit. (PyTorch's
 ``torch.utils.checkpoint`` and its selective variant re-run a *module's* forward under
 saved-tensor hooks; a plan's chain is a list of aten ops that need not match a module,
 so the ops themselves are recorded and replayed.)
@@ -296,9 +297,7 @@ class Recomputing:
                     for k, x in enumerate(leaves):
                         e = targets.get((step, k))
                         if e is not None:
-                            if not _can_swap(e.ref(), x.untyped_storage()):  # (copied: there twice a moment)
-                                self._make_room(e.nbytes, inputs + restored)
-                            leaves[k] = self._restore(e, x)
+                            leaves[k] = self._restore(e, x, inputs + restored)
                             restored.append(e)
                     del x
                     results.append(leaves)
@@ -328,15 +327,16 @@ class Recomputing:
                         temp[st._cdata] = st.nbytes()
         return temp
 
-    def _restore(self, e: _Entry, new: torch.Tensor) -> torch.Tensor:
+    def _restore(self, e: _Entry, new: torch.Tensor, keep: list[_Entry]) -> torch.Tensor:
         """Put re-made ``new``'s bytes in dropped ``e``'s storage; return ``new`` as a view
-        of that storage, for the rest of the chain.
+        of that storage, for the rest of the chain (``keep``: what making room for a
+        copy must not evict).
 
         NOTE: where torch can swap two storages' memory (``_swap_data_ptr_``) and nothing
         else holds ``new``'s storage, the re-made bytes become ``e``'s as they are: no
         second copy of the tensor is ever on the device, so a chain holds what
         ``torch.utils.checkpoint``'s re-run forward holds (what plans count). Else they
-        are copied, and for that moment the tensor is there twice."""
+        are copied, and for that moment the tensor is there twice: room is made for it."""
         st = e.ref()
         src = new.untyped_storage()
         if st is None:
@@ -346,6 +346,7 @@ class Recomputing:
         if _can_swap(st, src):
             st._swap_data_ptr_(src)  # (src keeps st's empty memory, freed with new)
         else:
+            self._make_room(e.nbytes, keep)
             st.resize_(e.nbytes)
             _u8(st, e.nbytes).copy_(_u8(src, e.nbytes))
         e.state = RESIDENT
@@ -357,10 +358,10 @@ class Recomputing:
         return view.set_(st, new.storage_offset(), new.size(), new.stride())
 
 
-def _can_swap(st: torch.UntypedStorage | None, src: torch.UntypedStorage) -> bool:
+def _can_swap(st: torch.UntypedStorage, src: torch.UntypedStorage) -> bool:
     """Whether ``src``'s memory can be handed to dropped (empty) ``st`` as it is: torch
     can swap them, and only the re-made tensor (and the handle here) holds ``src``."""
-    return (_SWAP and st is not None and st.nbytes() == 0 and st.device == src.device
+    return (_SWAP and st.nbytes() == 0 and st.device == src.device
             and torch._C._storage_Use_Count(src._cdata) <= 2)
 
 

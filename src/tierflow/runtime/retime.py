@@ -71,7 +71,7 @@ class Retiming:
         due = (not self._cuda and self._hardware_arg is None and not self.plan.reactive
                and self.stats.predicted_step_time_s is not None)
         self._retimes_left = RETIMED if due else 0
-        self._plan_clock = (self.trace, self.hardware)  # (what the samples replace)
+        # (self.trace and self.hardware stay the plan's until the samples replace them)
         self._op_samples: list[list[float]] = [[] for _ in range(self.trace.n_ops)]
         self._outside_samples: list[float] = []
         self._replay_samples: list[float] = []
@@ -103,7 +103,7 @@ class Retiming:
         n = self.stats.recomputed_ops - n0
         if n <= 0:
             return None
-        durations = self._plan_clock[0].ops
+        durations = self.trace.ops
         own = sum(self._op_s[o] if self._op_s[o] is not None else durations[o].duration_s
                   for r in self.plan.recomputes for o in r.ops)
         return max(0.0, (self.stats.recompute_s - t0 - own + self._record_s) / n)
@@ -133,7 +133,7 @@ class Retiming:
             self._replay_samples.append(replay)
         if self._retimes_left:
             return  # NOTE: one simulation, after the last: it costs the step it ends (gpt-tiny: 20 ms)
-        trace, hw = self._plan_clock
+        trace, hw = self.trace, self.hardware
         ops = tuple(replace(o, duration_s=statistics.median(d)) if d else o
                     for o, d in zip(trace.ops, self._op_samples))
         outside_s = statistics.median(self._outside_samples)
