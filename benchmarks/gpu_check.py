@@ -453,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu aot_eager_decomp_partition)")
     ap.add_argument("--no-compile", action="store_true", help="--out: no torch.compile rows")
     ap.add_argument("--no-trainer", action="store_true", help="--out: no Trainer row")
-    ap.add_argument("--parts", default="ABC", help="--out: which parts of each model's rows (A: peers and "
-                    "tierflow at the checkpointing peak, 50%%, 30%%; B: parity, Trainer; C: the rest; default ABC)")
+    ap.add_argument("--parts", default="ABCS", help="--out: which parts of each model's rows (A: peers and "
+                    "tierflow at the checkpointing peak, 50%%, 30%%; B: parity, Trainer; C: the rest; S: a GPT-2 "
+                    "whose weights and AdamW state are over twice the budget, after A; default ABCS)")
     args = ap.parse_args(argv)
     if args.out:
         if args.device == "cuda" and not torch.cuda.is_available():

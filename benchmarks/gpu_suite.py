@@ -77,8 +77,8 @@ TAR_LIMIT = 15 * MiB
 
 # (estimated seconds of a row before the first of its kind has run: rows are skipped
 # when the longest of their kind so far, or this, would overrun the time limit)
-ESTIMATE_S = {"cuda": {"peer": 15, "tierflow": 40, "parity": 50, "trainer": 60, "compile": 90},
-              "cpu": {"peer": 1, "tierflow": 3, "parity": 4, "trainer": 8, "compile": 10}}
+ESTIMATE_S = {"cuda": {"peer": 15, "tierflow": 40, "parity": 50, "trainer": 60, "compile": 90, "state": 40},
+              "cpu": {"peer": 1, "tierflow": 3, "parity": 4, "trainer": 8, "compile": 10, "state": 3}}
 
 
 # -- the workloads ------------------------------------------------------------------------
@@ -96,18 +96,19 @@ class Workload:
     shape: dict[str, Any] = field(default_factory=dict)
 
 
-def hf_gpt2(dev: torch.device, *, tiny: bool) -> Workload:
+def hf_gpt2(dev: torch.device, *, tiny: bool, name: str = "hf-gpt2", batch: tuple[int, int] | None = None
+            ) -> Workload:
     """GPT-2 from a Hugging Face config, nothing downloaded: 24 x 1024, batches 8 x 512 on
-    CUDA; 2 x 64, batches 4 x 32 in the CPU dry run."""
+    CUDA; 2 x 64, batches 4 x 32 in the CPU dry run (``batch``: another batch x seq)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if tiny:
         cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0,
                          eos_token_id=0, attn_implementation="eager")
-        b, s = 4, 32
+        b, s = batch or (4, 32)
     else:
         cfg = GPT2Config(n_layer=24, n_embd=1024, n_head=16, attn_implementation="eager")
-        b, s = 8, 512
+        b, s = batch or (8, 512)
 
     def build():
         torch.manual_seed(0)
@@ -119,14 +120,14 @@ def hf_gpt2(dev: torch.device, *, tiny: bool) -> Workload:
         model.train()
         return model, torch.optim.AdamW(model.parameters())
 
-    def batch(i: int) -> tuple:
+    def batch_of(i: int) -> tuple:
         g = torch.Generator().manual_seed(1000 + i)
         return (torch.randint(0, cfg.vocab_size, (b, s), generator=g).to(dev),)
 
     def loss(model: nn.Module, bt: tuple) -> torch.Tensor:
         return model(input_ids=bt[0], labels=bt[0]).loss
 
-    return Workload("hf-gpt2", build, batch, loss, lambda m: m.gradient_checkpointing_enable(), hf_config=cfg,
+    return Workload(name, build, batch_of, loss, lambda m: m.gradient_checkpointing_enable(), hf_config=cfg,
                     shape={"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head, "batch": b, "seq": s,
                            "attention": "eager", "dropout": [cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop]})
 
@@ -600,6 +601,109 @@ def trainer_row(w: Workload, s: Settings, tmp: Path) -> dict[str, Any]:
             "runs": len(cb.runs), "moved_bytes": int(sum(st.moved_bytes.values())), "nondeterministic_ops": warned}
 
 
+# -- model state larger than the budget --------------------------------------------------------
+STATE_STEPS = 10
+
+
+def state_bytes(model: nn.Module) -> int:
+    """Weights plus AdamW's two moments, as the model's own dtypes hold them."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def state_row(w: Workload, config: str, budget: int | None, s: Settings) -> dict[str, Any]:
+    """``STATE_STEPS`` steps of ``w`` (plain, or under ``tierflow.offload`` with ``budget``
+    bytes and ``policy`` ``config`` where it is not ``"default"``), each step's loss and
+    time recorded; the peak over the whole run (the byte budget's rule: every step, the
+    profiled and reactive ones too)."""
+    model, opt = w.build()
+    row: dict[str, Any] = {"model": w.name, "config": config if config == "plain" else f"tierflow {config}",
+                           "label": "model state > budget", "state_bytes": state_bytes(model),
+                           "budget_bytes": budget}
+    step = make_step(w, model, opt)
+    losses: list[float] = []
+    times: list[float] = []
+    planned: list[bool] = []
+    peak = Peak(model, s)
+
+    def one(i: int, run: Any) -> None:
+        bt = w.batch(i)
+        check.sync(s.device)
+        t0 = time.perf_counter()
+        loss = w.loss(model, bt)
+        loss.backward()
+        lv = loss.detach().float().item()  # (a sync; the same in every config)
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        check.sync(s.device)
+        times.append(time.perf_counter() - t0)
+        losses.append(lv)
+        planned.append(run is not None and run.stats.planned_steps > sum(planned))
+
+    del step
+    try:
+        if config == "plain":
+            for i in range(STATE_STEPS):
+                one(i, None)
+            run = None
+        else:
+            kwargs = {} if config == "default" else {"policy": config}
+            with tierflow.offload(model, opt, budget=budget, **kwargs) as run:
+                for i in range(STATE_STEPS):
+                    one(i, run)
+    except TierflowError as e:
+        return {**row, "losses": losses, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+    whole = peak.read()
+    if whole is None and run is not None:
+        whole = run.stats.peak_device_bytes
+    followed = [t for t, p in zip(times, planned) if p]
+    row.update(losses=losses, step_times_s=times, planned=planned, peak_whole_bytes=whole,
+               step_s=statistics.median(followed or times[2:] or times), steps_median_over="planned" if followed
+               else "steps after the second")
+    if budget is not None:
+        row["within"] = bool(whole is not None and whole <= budget)
+    if run is not None:
+        st, plan = run.stats, run.plan
+        row.update(plan_policy=st.policy, plan_reactive=bool(plan is not None and plan.reactive),
+                   plan_error=st.plan_error, planned_steps=st.planned_steps, stalls=st.stalls,
+                   host_stepped_params=st.host_stepped_params, predicted_step_time_s=st.predicted_step_time_s,
+                   predicted_over_measured=(st.predicted_step_time_s / row["step_s"])
+                   if st.predicted_step_time_s else None,
+                   moved_bytes=int(sum(st.moved_bytes.values())), pinned_bytes=st.pinned_bytes,
+                   plan_moves=len(plan.moves) if plan is not None else 0,
+                   untracked_device_bytes=st.untracked_device_bytes, blocking_waits=dict(st.blocking_waits))
+    return row
+
+
+def state_rows(w: Workload, s: Settings, guard: Guard, res: Results) -> None:
+    """Issue 28's row no CPU can show: weights plus AdamW state at least twice the byte
+    budget; plain (where it fits on the card), tierflow's defaults, then the runtime's
+    ``zero_offload`` and ``zero_infinity``. Losses compared with plain's, step for step."""
+    model, _ = w.build()
+    budget = int(0.45 * state_bytes(model))  # (state >= 2.2x the budget)
+    del model, _
+    check.release(s.device)
+    rows = {}
+    for config in ("plain", "default", "zero_offload", "zero_infinity"):
+        r = res.add(guard.run("state", f"{w.name} state {config}",
+                              lambda c=config: state_row(w, c, None if c == "plain" else budget, s)), "state")
+        check.release(s.device)
+        if r is not None:
+            rows[config] = r
+    plain = rows.get("plain")
+    if plain is None or "error" in plain:
+        return
+    for config, r in rows.items():
+        if config == "plain" or "losses" not in r:
+            continue
+        n = min(len(r["losses"]), len(plain["losses"]))
+        diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"][:n], plain["losses"][:n])]
+        r.update(losses_equal=r["losses"][:n] == plain["losses"][:n], loss_max_rel_diff=max(diffs, default=None))
+        if "step_s" in r:
+            r["x_plain"] = r["step_s"] / plain["step_s"]
+    res.write(done=False)
+
+
 # -- the run ----------------------------------------------------------------------------------
 Guard = check.Guard  # (rows run until the time limit would be overrun; see gpu_check.py)
 
@@ -654,6 +758,8 @@ def _line(r: dict[str, Any]) -> str:
     if "fetches_per_planned_step" in r:
         bits.append(f"fetches/step {r['fetches_per_planned_step']:.1f} (faults {r['predicted_faults']}, "
                     f"moves {r['plan_moves']}) {r['plan_policy']}{' reactive' if r['plan_reactive'] else ''}")
+    if "loss_max_rel_diff" in r:
+        bits.append(f"losses equal to plain={r['losses_equal']} (max rel diff {r['loss_max_rel_diff']:.1e})")
     if "parity" in r:
         bits.append(f"parity={r['parity']} {r.get('detail') or ''}")
     tl = r.get("timeline") or {}
@@ -763,6 +869,11 @@ def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if r["model"] == "hf-gpt2" and r["config"] == "tierflow" and r["label"] in ("30%", "30% as bytes"):
                 c["x_plain<=1.9"] = r["x_plain"] <= 1.9
             out[key] = c
+        if r.get("kind") == "state" and r.get("config", "").startswith("tierflow"):
+            out[f"{r['model']} {r['config']} state"] = {
+                "ran": "error" not in r, "within_budget": r.get("within"),
+                "state_over_budget": r["state_bytes"] / r["budget_bytes"] if r.get("budget_bytes") else None,
+                "losses_equal": r.get("losses_equal"), "loss_max_rel_diff": r.get("loss_max_rel_diff")}
     return out
 
 
@@ -838,7 +949,10 @@ def run_suite(args: argparse.Namespace) -> int:
         # compile sweep, the others' parts, the remaining compile sweeps
         parts = [p for p in "ABC" if p in args.parts.upper()]
         first, rest = workloads[:2], workloads[2:]
-        order = [(p, w) for p in parts for w in first]
+        order: list[tuple[str, Workload]] = [(p, w) for p in parts for w in first if p == "A"]
+        if "S" in args.parts.upper():  # (model state > budget: after the first two's A)
+            order.append(("state", hf_gpt2(dev, tiny=tiny, name="hf-gpt2-state", batch=(2, 256) if cuda else (2, 16))))
+        order += [(p, w) for p in parts for w in first if p != "A"]
         if first and not args.no_compile:
             order.append(("compile", first[0]))
         order += [(p, w) for w in rest for p in parts]
@@ -847,6 +961,8 @@ def run_suite(args: argparse.Namespace) -> int:
         for what, w in order:
             if what == "compile":
                 compile_rows(w, got[w.name], s, guard, res)
+            elif what == "state":
+                state_rows(w, s, guard, res)
             else:
                 model_rows(w, what, got[w.name], s, guard, res, timelines,
                            trainer=w.hf_config is not None and not args.no_trainer, tmp=tmp)
