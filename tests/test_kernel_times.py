@@ -115,6 +115,55 @@ def test_records_from_a_real_profiler_session_link_ops_to_their_marks():
     assert kt.op_s == pytest.approx([1e-6, 2e-6, 3e-6]) and kt.usable
 
 
+def test_the_gpu_side_of_the_op_ranges_is_not_counted_as_activity():
+    """The profiler draws each ``tierflow#i`` range on the GPU too, over the kernels it
+    launched. Counted as activity, it doubled the compute stream's time, the coverage
+    fell to one half and the kernel times were thrown away (seen on an H200, 2026-11-27:
+    coverage 0.47-0.50 on every row)."""
+    host, device = _synthetic()
+    plain = op_kernel_times(3, host, device)
+    drawn = device + [DeviceSpan("tierflow#0", 1_000, 5_000, 1, 7), DeviceSpan("tierflow#1", 9_000, 9_500, 3, 7),
+                      DeviceSpan("tierflow#2", 10_000, 12_250, 6, 7)]
+    kt = op_kernel_times(3, host, drawn)
+    assert kt.op_s == plain.op_s
+    assert (kt.kernels, kt.attributed) == (plain.kernels, plain.attributed)
+    assert kt.compute_stream_total_s == plain.compute_stream_total_s and kt.usable
+
+
+class _Event:
+    """A stand-in for the profiler's kineto event (the methods records reads)."""
+
+    def __init__(self, name, device, start, dur, cid, linked, stream=0, annotation=False):
+        self._v = (name, device, start, dur, cid, linked, stream, annotation)
+
+    def name(self): return self._v[0]
+    def device_type(self): return self._v[1]
+    def start_ns(self): return self._v[2]
+    def duration_ns(self): return self._v[3]
+    def correlation_id(self): return self._v[4]
+    def linked_correlation_id(self): return self._v[5]
+    def start_thread_id(self): return MAIN
+    def device_resource_id(self): return self._v[6]
+    def is_user_annotation(self): return self._v[7]
+    def activity_type(self): return "gpu_user_annotation" if self._v[7] else "kernel"
+
+
+def test_records_leave_out_device_annotations():
+    from torch.autograd import DeviceType
+
+    events = [_Event("tierflow#0", DeviceType.CPU, 100, 100, 1, 0, annotation=True),
+              _Event("aten::mm", DeviceType.CPU, 110, 80, 2, 0),
+              _Event("cudaLaunchKernel", DeviceType.CPU, 120, 5, 9, 2),
+              _Event("gemm", DeviceType.CUDA, 1_000, 3_000, 9, 2, stream=7),
+              _Event("tierflow#0", DeviceType.CUDA, 1_000, 3_000, 10, 1, stream=7, annotation=True),
+              _Event("my range", DeviceType.CUDA, 900, 3_200, 11, 1, stream=7, annotation=True)]
+    host, device = records(events)
+    assert [h.name for h in host] == ["tierflow#0", "aten::mm"]
+    assert [d.name for d in device] == ["gemm"]
+    kt = op_kernel_times(1, host, device)
+    assert kt.op_s == pytest.approx([3e-6]) and kt.coverage == 1.0
+
+
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
 def test_timer_without_cuda_activity_gives_nothing_usable_and_mark_is_inert_without_a_timer():
     with mark(None, 3):  # no timer: no range, nothing recorded
