@@ -173,6 +173,7 @@ class Settings:
     budgets: tuple[float, ...]  # the compile sweep's activation_memory_budget values
     compile_backend: str
     traces: int  # Chrome traces kept
+    host_profiles_left: int = 0  # tierflow rows still to profile one step of with cProfile
 
 
 def _cuda(s: Settings) -> bool:
@@ -232,15 +233,39 @@ def cpu_step_peak(model: nn.Module, opt: torch.optim.Optimizer, step: Callable[[
 
 
 def timed(step: Callable[[int], None], first: int, n: int, s: Settings) -> dict[str, Any]:
-    times = []
+    """Median step time over ``n`` synchronised steps, and the host's share: the time
+    until ``step`` returned, before the synchronisation (``host_issue_s``). A step whose
+    host issue time is its whole time is host-bound: the GPU waited for launches."""
+    times, issue = [], []
     for i in range(first, first + n):
         check.sync(s.device)
         t0 = time.perf_counter()
         step(i)
+        issue.append(time.perf_counter() - t0)
         check.sync(s.device)
         times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times), "step_mean_s": statistics.fmean(times), "timed_steps": n,
-            "step_times_s": times}
+            "step_times_s": times, "host_issue_s": statistics.median(issue)}
+
+
+def host_profile(step: Callable[[], None], top: int = 25) -> list[dict[str, Any]]:
+    """One step under ``cProfile``: the ``top`` functions by their own time (where the
+    host's time per op goes; cProfile slows Python, so read shares, not totals)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    try:
+        step()
+    finally:
+        pr.disable()
+    st = pstats.Stats(pr)
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
+    total = sum(v[2] for v in st.stats.values())  # type: ignore[attr-defined]
+    return [{"function": f"{Path(f).name}:{line}({fn})", "calls": int(nc), "own_s": round(tt, 6),
+             "cumulative_s": round(ct, 6), "own_share": round(tt / total, 4) if total else None}
+            for (f, line, fn), (_cc, nc, tt, ct, _callers) in rows]
 
 
 def make_step(w: Workload, model: nn.Module, opt: torch.optim.Optimizer, ctx: Callable = contextlib.nullcontext
@@ -401,6 +426,9 @@ def tierflow_row(w: Workload, label: str, budget: Any, s: Settings,
                 tl_peak = peak.read()
             else:
                 tl_peak = None
+            if s.host_profiles_left > 0 and run.stats.planned_steps >= 1:
+                s.host_profiles_left -= 1
+                row["host_profile"] = host_profile(lambda: (step(i + 1), check.sync(s.device)))
     except TierflowError as e:  # (a BudgetError below the minimum working set is a finding)
         return {**row, "error": f"{type(e).__name__}: {str(e)[:400]}"}
     st = run.stats
@@ -610,11 +638,18 @@ def state_bytes(model: nn.Module) -> int:
     return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+#: DeepSpeed's gradient bucket for the ZeRO rows (elements): its default, 5e8, is a 2 GB
+#: fp32 buffer, over the state row's whole budget; a user with little memory lowers it
+ZERO_BUCKET = 50_000_000
+
+
 def state_row(w: Workload, config: str, budget: int | None, s: Settings) -> dict[str, Any]:
     """``STATE_STEPS`` steps of ``w`` (plain, or under ``tierflow.offload`` with ``budget``
     bytes and ``policy`` ``config`` where it is not ``"default"``), each step's loss and
     time recorded; the peak over the whole run (the byte budget's rule: every step, the
-    profiled and reactive ones too)."""
+    profiled and reactive ones too), each step's own peak (CUDA: ``max_memory_allocated``
+    reset before it; the runtime's accounted peak so far beside it) and the peak over
+    the steps that followed a plan."""
     model, opt = w.build()
     row: dict[str, Any] = {"model": w.name, "config": config if config == "plain" else f"tierflow {config}",
                            "label": "model state > budget", "state_bytes": state_bytes(model),
@@ -623,11 +658,18 @@ def state_row(w: Workload, config: str, budget: int | None, s: Settings) -> dict
     losses: list[float] = []
     times: list[float] = []
     planned: list[bool] = []
+    step_peaks: list[int | None] = []
+    accounted: list[int | None] = []
     peak = Peak(model, s)
+    whole = 0
 
     def one(i: int, run: Any) -> None:
+        nonlocal whole
         bt = w.batch(i)
         check.sync(s.device)
+        if peak.cuda:  # (each step's own peak; the whole run's is their maximum)
+            whole = max(whole, peak.read() or 0)
+            peak.reset()
         t0 = time.perf_counter()
         loss = w.loss(model, bt)
         loss.backward()
@@ -639,6 +681,8 @@ def state_row(w: Workload, config: str, budget: int | None, s: Settings) -> dict
         times.append(time.perf_counter() - t0)
         losses.append(lv)
         planned.append(run is not None and run.stats.planned_steps > sum(planned))
+        step_peaks.append(peak.read())
+        accounted.append(run.stats.peak_device_bytes if run is not None else None)
 
     del step
     try:
@@ -647,21 +691,30 @@ def state_row(w: Workload, config: str, budget: int | None, s: Settings) -> dict
                 one(i, None)
             run = None
         else:
-            kwargs = {} if config == "default" else {"policy": config}
+            kwargs: dict[str, Any] = {} if config == "default" else {"policy": config}
+            if config.startswith("zero"):
+                kwargs["policy_options"] = {"reduce_bucket_size": ZERO_BUCKET}
+                row["policy_options"] = kwargs["policy_options"]
             with tierflow.offload(model, opt, budget=budget, **kwargs) as run:
                 for i in range(STATE_STEPS):
                     one(i, run)
     except TierflowError as e:
-        return {**row, "losses": losses, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-    whole = peak.read()
-    if whole is None and run is not None:
-        whole = run.stats.peak_device_bytes
+        return {**row, "losses": losses, "step_peaks_bytes": step_peaks, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+    if peak.cuda:
+        whole = max([whole] + [p for p in step_peaks if p is not None])
+        in_plan = [p for p, f in zip(step_peaks, planned) if f and p is not None]
+    else:
+        whole = run.stats.peak_device_bytes if run is not None else None
+        in_plan = [run.stats.peak_device_bytes_planned] if run is not None and any(planned) else []
     followed = [t for t, p in zip(times, planned) if p]
     row.update(losses=losses, step_times_s=times, planned=planned, peak_whole_bytes=whole,
+               step_peaks_bytes=step_peaks, accounted_peak_so_far_bytes=accounted,
+               peak_planned_bytes=max(in_plan) if in_plan else None,
                step_s=statistics.median(followed or times[2:] or times), steps_median_over="planned" if followed
                else "steps after the second")
     if budget is not None:
         row["within"] = bool(whole is not None and whole <= budget)
+        row["within_planned"] = bool(in_plan) and max(in_plan) <= budget
     if run is not None:
         st, plan = run.stats, run.plan
         row.update(plan_policy=st.policy, plan_reactive=bool(plan is not None and plan.reactive),
@@ -772,9 +825,9 @@ def _line(r: dict[str, Any]) -> str:
 def model_rows(w: Workload, part: str, got: dict[str, Any], s: Settings, guard: Guard, res: Results,
                timelines: Timelines, *, trainer: bool, tmp: Path) -> None:
     """One part of a workload's rows (not its compile sweep). ``A``: plain, checkpoint,
-    tierflow at the checkpointing peak, 50% and 30% (shares); ``B``: parity at 50% and
-    30%, the Trainer (HF); ``C``: ``policy="checkpoint"`` at the checkpointing peak,
-    tierflow without a budget, at 50% and 30% as bytes, ``save_on_cpu``. ``got`` keeps
+    tierflow without a budget, at the checkpointing peak, 50% and 30% (shares); ``B``:
+    parity at 50% and 30%, the Trainer (HF); ``C``: ``policy="checkpoint"`` at the
+    checkpointing peak, tierflow at 50% and 30% as bytes, ``save_on_cpu``. ``got`` keeps
     plain's and checkpoint's rows (what the budgets of the others are made of); a part
     that needs them runs them first if part A did not."""
     dev = s.device
@@ -803,10 +856,13 @@ def model_rows(w: Workload, part: str, got: dict[str, Any], s: Settings, guard: 
         ckpt["x_plain"] = ckpt["step_s"] / plain["step_s"]
     ck_peak = int(ckpt["peak_bytes"]) if ckpt is not None else None
     if part == "A":
-        budgets = ([("checkpoint peak", ck_peak, None)] if ck_peak else []) + [("50%", "50%", None), ("30%", "30%", None)]
+        # (no budget first: the runtime's own cost per op with an empty plan, the floor
+        # the budgeted rows are read against)
+        budgets = [("none", None, None)] + ([("checkpoint peak", ck_peak, None)] if ck_peak else []) + [
+            ("50%", "50%", None), ("30%", "30%", None)]
     else:
         budgets = ([("checkpoint peak", ck_peak, "checkpoint")] if ck_peak else []) + [
-            ("none", None, None), ("50% as bytes", int(0.5 * plain["peak_bytes"]), None),
+            ("50% as bytes", int(0.5 * plain["peak_bytes"]), None),
             ("30% as bytes", int(0.3 * plain["peak_bytes"]), None)]
     for label, budget, policy in budgets:
         r = row("tierflow", f"{label}{' ' + policy if policy else ''}",
@@ -922,7 +978,7 @@ def run_suite(args: argparse.Namespace) -> int:
                  budgets=tuple(float(b) for b in args.compile_budgets.split(",")) if args.compile_budgets else
                  ((1.0, 0.5, 0.3, 0.1) if cuda else (1.0, 0.3)),
                  compile_backend=args.compile_backend or ("inductor" if cuda else "aot_eager_decomp_partition"),
-                 traces=args.traces)
+                 traces=args.traces, host_profiles_left=args.traces + 2)
     tiny = not cuda
     default_models = "hf-gpt2,gpt2-medium:4:512,bert-large:8:256,vit-b16:64" if cuda else "hf-gpt2,gpt-tiny:4:32"
     specs = [m for m in (args.models or default_models).split(",") if m.strip()]
