@@ -91,3 +91,32 @@ def test_a_prefetch_still_in_flight_at_its_use_is_counted_late(late_copies):
     assert res.parity, res.parity_detail
     late = {k: v for k, v in s.departures.items() if k.startswith("late prefetch")}
     assert s.planned_steps >= 2 and sum(late.values()) > 0, s.departures
+
+
+def test_room_that_copies_out_will_free_is_waited_for_without_a_victim_search(late_copies, monkeypatch):
+    """Following a plan, when the bytes still being copied out cover the room an op
+    needs, the host waits for those copies; the pager's victim search (a sort of every
+    resident tensor by next use: hundreds of microseconds of Python) does not run, since
+    it would evict nothing. On CUDA this happened at ops that evicted nothing, unseen."""
+    searches = {"useless": 0, "all": 0}
+    make_room = executor.Run._make_room
+
+    def counted(self, need, keep):
+        planned = self._in_iter and self._planned and not self._stale
+        calls_before, ev_before = searches["all"], self.stats.unplanned_evictions
+        make_room(self, need, keep)
+        if planned and searches["all"] > calls_before and self.stats.unplanned_evictions == ev_before:
+            searches["useless"] += 1
+
+    victims = executor.Run._victims
+
+    def counting(self, pinned):
+        searches["all"] += 1
+        return victims(self, pinned)
+
+    monkeypatch.setattr(executor.Run, "_make_room", counted)
+    monkeypatch.setattr(executor.Run, "_victims", counting)
+    res = train("gpt-tiny", budget="30%", steps=5, check_parity=True)
+    assert res.parity, res.parity_detail
+    assert res.stats.planned_steps >= 2
+    assert searches["useless"] == 0, searches

@@ -84,13 +84,17 @@ class Moves:
             self._label_opt_state()  # state the optimizer created in this step is evictable too
         pinned = {e.cdata for e in keep}
         if self._in_iter and self._planned and not self._stale:
-            for e in self._victims(pinned):  # Belady: the trace's next use, furthest first
-                if self._device_bytes - self._leaving_bytes + need <= self.budget:
-                    break
-                if self._evict(e, "host"):
-                    self.stats.unplanned_evictions += 1
-                    e.unplanned = True
-                    self._depart("eviction: room an op needed beyond the plan")
+            # NOTE: where the copies out still in flight will free the room, waiting for
+            # them (below) is all there is to do: the victim search sorts every resident
+            # tensor by next use, and ran at such ops on CUDA to evict nothing
+            if self._device_bytes - self._leaving_bytes + need > self.budget:
+                for e in self._victims(pinned):  # Belady: the trace's next use, furthest first
+                    if self._device_bytes - self._leaving_bytes + need <= self.budget:
+                        break
+                    if self._evict(e, "host"):
+                        self.stats.unplanned_evictions += 1
+                        e.unplanned = True
+                        self._depart("eviction: room an op needed beyond the plan")
         else:
             # least recently used first, found lazily: the front of the LRU order, skipping
             # what this op needs and what cannot move now
