@@ -111,7 +111,7 @@ gpu_suite = load_benchmark("gpu_suite")
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_suite")
     code = gpu_check.main(["--device", "cpu", "--out", str(out), "--models", "hf-gpt2", "--no-compile",
-                           "--steps", "2", "--traces", "1", "--time-limit", "900"])
+                           "--steps", "2", "--traces", "1", "--time-limit", "900", "--parts", "ABC"])
     return code, json.loads((out / "gpu_check.json").read_text()), out
 
 
@@ -130,7 +130,7 @@ def test_suite_runs_every_row_of_the_hf_model_and_exits_ok(suite):
     order = [(r["config"], r.get("label") or r.get("budget_arg")) for r in res["rows"]]
     assert order.index(("tierflow", "30%")) < order.index(("parity", "50%")) < order.index(("trainer", "50%"))
     assert order.index(("trainer", "50%")) < order.index(("tierflow policy=checkpoint", "checkpoint peak"))
-    assert order.index(("tierflow", "none")) < order.index(("save_on_cpu", None))
+    assert order.index(("tierflow", "none")) < order.index(("tierflow", "checkpoint peak"))  # (part A's first)
 
 
 @pytest.mark.slow
@@ -181,9 +181,30 @@ def test_suite_skips_what_the_time_limit_leaves_no_room_for_and_still_writes_its
                            "--time-limit", "0.5"])
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 1 and res["done"] is True and res["ok"] is False  # (no parity was run)
-    # plain and checkpoint (part A), parity and Trainer (B): nothing else runs without plain
-    assert res["rows"] == [] and len(res["skipped"]) == 5
+    # plain and checkpoint (part A), parity and Trainer (B), the four model-state rows
+    # (S): nothing else runs without plain
+    assert res["rows"] == [] and len(res["skipped"]) == 9
     assert res["environment"]["device"] == "cpu"
+
+
+@pytest.mark.slow
+def test_model_state_rows_train_like_plain_within_a_byte_budget_below_the_state(tmp_path):
+    """Part S, dry run: a GPT-2 whose weights and AdamW state are 2.2x the byte budget,
+    trained with default options and through the ZeRO policies: no error, every loss
+    equal to plain PyTorch's, each step's peak recorded, the budget kept."""
+    code = gpu_check.main(["--device", "cpu", "--out", str(tmp_path), "--models", "hf-gpt2", "--no-compile",
+                           "--parts", "S", "--time-limit", "600"])
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = {r["config"]: r for r in res["rows"] if r["kind"] == "state"}
+    assert set(rows) == {"plain", "tierflow default", "tierflow zero_offload", "tierflow zero_infinity"}
+    assert code == 1 and res["errors"] == []  # (1: no parity row in part S)
+    for config, r in rows.items():
+        assert "error" not in r and len(r["losses"]) == gpu_suite.STATE_STEPS
+        if config != "plain":
+            assert r["state_bytes"] >= 2 * r["budget_bytes"]
+            assert r["losses_equal"] is True and r["within"] is True and r["within_planned"] is True
+            assert any(r["planned"]) and len(r["step_peaks_bytes"]) == gpu_suite.STATE_STEPS
+    assert rows["tierflow zero_offload"]["policy_options"] == {"reduce_bucket_size": gpu_suite.ZERO_BUCKET}
 
 
 def test_compile_sweep_reports_the_fastest_setting_that_fits(tmp_path):

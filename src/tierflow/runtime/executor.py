@@ -389,6 +389,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         errors: list[str] = []
         try:
             self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
+            self._ticks_end()  # (and its tick log's)
             if self._kernel_timer is not None:  # (and its profiler)
                 self._kernel_timer.close()
                 self._kernel_timer = None
@@ -490,6 +491,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._sigs: list[tuple] = []
         if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
             self._facts_begin()
+        self._ticks_begin()  # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
         if self._planned:  # persistent tensors the plan starts the iteration without
             for key, tier in self._start_away.items():
                 e = self._by_key.get(key)
@@ -517,6 +519,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if not self._in_iter:
             return
         self._facts_end()
+        self._ticks_end()
         if not self._fast:  # (a clean planned iteration made no state the profile did not see)
             self._label_opt_state()
         self._in_iter = False

@@ -38,6 +38,7 @@ from typing import Any
 
 from ..capture.opflags import draws_random, has_side_effects, writes
 from ..capture.scope import ScopeTracker
+from .segments import TickLog
 
 # the final kinds of what a re-run must not write (see capture.recorder._STATE_KINDS)
 _STATE_KINDS = frozenset({"parameter", "optimizer_state", "gradient", "input"})
@@ -58,6 +59,33 @@ class OpFacts:
         tracker.__enter__()
         self._scopes = tracker
         tracker.push(self.model)  # (its global pre-hook was not called for this forward)
+
+    _tick_log: TickLog | None = None
+
+    def _ticks_begin(self) -> None:
+        """A profiled iteration begins: log its ticks (runtime/segments.py) until it ends."""
+        self._ticks_end()
+        self._ticks_seen: list[tuple[int, str, str]] = []
+        if not self._recording:
+            return
+        paths: dict[int, str] = {}
+        for name, mod in self.model.named_modules():
+            paths.setdefault(id(mod), name)
+        log = TickLog(lambda: len(self._rec), paths)
+        log.start()
+        self._tick_log = log
+
+    def _ticks_end(self) -> None:
+        """Stop logging ticks (idempotent); the ticks stay for the trace."""
+        log, self._tick_log = self._tick_log, None
+        if log is not None:
+            log.stop()
+            self._ticks_seen = log.ticks
+
+    def _tick(self, kind: str, ident: str) -> None:
+        """A saved-tensor or gradient hook fired (profiling only)."""
+        if self._tick_log is not None:
+            self._tick_log.note(kind, ident)
 
     def _facts_end(self) -> None:
         """Remove the scope tracker's module hooks (idempotent)."""

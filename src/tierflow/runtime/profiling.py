@@ -281,9 +281,19 @@ class Profiling:
                for (name, phase, d, ins, outs), f in zip(rec, facts)]
         trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": timing,
-                            **({"kernel_times": kernels.summary()} if kernels is not None else {})})
+                            **({"kernel_times": kernels.summary()} if kernels is not None else {}),
+                            # (the ticks a hook-driven follower could act at: runtime/segments.py)
+                            **({"ticks": self._trace_ticks()} if getattr(self, "_ticks_seen", None) else {})})
         self._trace_sigs_next = list(self._sigs)
         return trace
+
+    def _trace_ticks(self) -> list[list[Any]]:
+        """The profiled iteration's ticks with the trace's op indices (segments.TickLog)."""
+        from .segments import TickLog
+
+        log = TickLog(lambda: 0, {})
+        log.ticks = self._ticks_seen
+        return log.for_trace(self._kept_ops)
 
     def _drop_hook_ops(self) -> Callable[[int], int]:
         """Leave out of the profiled iteration the ops our saved-tensor hooks caused
@@ -294,8 +304,10 @@ class Profiling:
         drop = set(self._hook_ops)
         self._hook_ops = []
         if not drop:
+            self._kept_ops = list(range(len(self._rec)))
             return lambda j: j
         keep = [j for j in range(len(self._rec)) if j not in drop]
+        self._kept_ops = keep
         self._rec = [self._rec[j] for j in keep]
         self._sigs = [self._sigs[j] for j in keep]
         if len(self._op_events) == len(keep) + len(drop):
