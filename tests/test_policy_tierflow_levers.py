@@ -215,3 +215,30 @@ def test_reserve_leaves_the_dearest_long_gaps_to_the_links():
     dearest = max(long_gap, key=lambda o: (o.per_byte_s, -o.tensor))
     assert dearest.nbytes > cap or dearest.tensor in kept
     assert reserve_for_moves(trace, opts, 0, bw) == (set(), 0.0)
+
+
+def test_where_no_lever_variant_fits_the_move_only_plan_is_returned(gpt, monkeypatch):
+    """Every recompute/host-step variant fails validation (scores inf) on a trace too long
+    for both pipelines to run: the plan is moving's, which validates, not the best of the
+    invalid variants (HF GPT-2 12 x 64 at 50% in CPU mode got a recompute chain 9 MB over
+    its budget, and the runtime ran it with hundreds of on-demand fetches a step)."""
+    from tierflow.plan import validate
+    from tierflow.policies.tierflow import joint
+
+    from tierflow.policies import min_working_set
+
+    trace, hw = gpt
+    budget = max(int(0.6 * trace.peak_live_bytes), int(1.05 * min_working_set(trace)[0]))
+    assert budget < trace.peak_live_bytes
+    scored = []
+
+    def nothing_fits(low, hw_, plan):
+        scored.append(plan)
+        return float("inf")
+
+    monkeypatch.setattr(joint, "_score", nothing_fits)
+    work = joint._BOTH_PIPELINES * trace.n_ops - 1  # (too long a trace for both pipelines)
+    plan = make_plan("tierflow", trace, hw, budget=budget, levers="all", work_ops=work, portfolio=False)
+    assert scored  # the variants were tried
+    assert not plan.recomputes and not plan.host_steps and plan.moves
+    validate(plan, trace, hw)

@@ -45,6 +45,8 @@ their link traffic and host time).
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import time
 
@@ -248,7 +250,11 @@ def plan_joint(trace: Trace, hw: Hardware, options: PolicyOptions, move_plan: Pl
         plan, score = best.lowered.plan(best.plan), best.score
     else:
         plan, score = None, float("inf")
-    if plan is None or per >= _BOTH_PIPELINES:
+    # NOTE: a variant that does not validate scores inf; where every variant does, the
+    # move-only pipeline is the plan, whatever the trace's size (it returned the best
+    # invalid variant before: HF GPT-2 12 x 64 at 50% in CPU mode, a recompute chain
+    # 9 MB over the budget, executed anyway with 400-1,500 on-demand fetches)
+    if plan is None or per >= _BOTH_PIPELINES or not math.isfinite(score):
         if move_plan is None:
             move_plan = plan_moves(trace, hw, options)
         m_score = move_plan.meta.get("predicted_step_s", float("inf"))
