@@ -223,9 +223,8 @@ def test_where_no_lever_variant_fits_the_move_only_plan_is_returned(gpt, monkeyp
     invalid variants (HF GPT-2 12 x 64 at 50% in CPU mode got a recompute chain 9 MB over
     its budget, and the runtime ran it with hundreds of on-demand fetches a step)."""
     from tierflow.plan import validate
-    from tierflow.policies.tierflow import joint
-
     from tierflow.policies import min_working_set
+    from tierflow.policies.tierflow import joint
 
     trace, hw = gpt
     budget = max(int(0.6 * trace.peak_live_bytes), int(1.05 * min_working_set(trace)[0]))

@@ -45,9 +45,8 @@ their link traffic and host time).
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 import time
 
 import numpy as np
