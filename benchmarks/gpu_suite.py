@@ -639,8 +639,13 @@ def state_bytes(model: nn.Module) -> int:
 
 
 #: DeepSpeed's gradient bucket for the ZeRO rows (elements): its default, 5e8, is a 2 GB
-#: fp32 buffer, over the state row's whole budget; a user with little memory lowers it
+#: fp32 buffer, over the state row's whole budget; a user with little memory lowers it,
+#: here to this or to an eighth of the budget in fp32 elements, the smaller
 ZERO_BUCKET = 50_000_000
+
+
+def zero_bucket(budget: int) -> int:
+    return int(min(ZERO_BUCKET, budget // (8 * 4)))
 
 
 def state_row(w: Workload, config: str, budget: int | None, s: Settings) -> dict[str, Any]:
@@ -693,7 +698,7 @@ def state_row(w: Workload, config: str, budget: int | None, s: Settings) -> dict
         else:
             kwargs: dict[str, Any] = {} if config == "default" else {"policy": config}
             if config.startswith("zero"):
-                kwargs["policy_options"] = {"reduce_bucket_size": ZERO_BUCKET}
+                kwargs["policy_options"] = {"reduce_bucket_size": zero_bucket(budget)}
                 row["policy_options"] = kwargs["policy_options"]
             with tierflow.offload(model, opt, budget=budget, **kwargs) as run:
                 for i in range(STATE_STEPS):

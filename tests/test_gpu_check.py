@@ -204,7 +204,12 @@ def test_model_state_rows_train_like_plain_within_a_byte_budget_below_the_state(
             assert r["state_bytes"] >= 2 * r["budget_bytes"]
             assert r["losses_equal"] is True and r["within"] is True and r["within_planned"] is True
             assert any(r["planned"]) and len(r["step_peaks_bytes"]) == gpu_suite.STATE_STEPS
-    assert rows["tierflow zero_offload"]["policy_options"] == {"reduce_bucket_size": gpu_suite.ZERO_BUCKET}
+    zero = rows["tierflow zero_offload"]
+    assert zero["policy_options"] == {"reduce_bucket_size": gpu_suite.zero_bucket(zero["budget_bytes"])}
+    # (on this toy model DeepSpeed's method cannot fit, whatever the bucket: ZeRO-Offload
+    # keeps every parameter on the device, and ZeRO-Infinity keeps those under its
+    # persistence threshold, all of them here; the rows then say so and run the pager)
+    assert "no plan fits" in (zero["plan_error"] or "") or not zero["plan_policy"].startswith("lru")
 
 
 def test_compile_sweep_reports_the_fastest_setting_that_fits(tmp_path):
