@@ -234,7 +234,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         sync_ranks: bool = True,
         host_step_overlap: bool = True,
         host_steps: bool | None = None,
+        follow: str = "ops",
     ):
+        from .hook_follow import FOLLOW_CHOICES
+
+        if follow not in FOLLOW_CHOICES:
+            raise OffloadError(f"offload: follow={follow!r}; expected one of {', '.join(map(repr, FOLLOW_CHOICES))}")
+        self._follow = follow
+        self._hook: Any = None  # runtime/hook_follow.HookFollower of the plan, where follow="hooks" applies
         self.model, self.optimizer = model, optimizer
         p = next(model.parameters(), None)
         self.device = p.device if p is not None else torch.device("cpu")
@@ -388,6 +395,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._copier.waits = {}  # (bringing everything home waits by design: not counted)
         errors: list[str] = []
         try:
+            if self._hook is not None:  # (an iteration followed at ticks, cut short: the mode back)
+                self._hook.close()
             self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
             self._ticks_end()  # (and its tick log's)
             if self._kernel_timer is not None:  # (and its profiler)
@@ -470,7 +479,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # the lean per-op path (a planned plan, or a reactive one's hints), until the
         # iteration departs from the trace
         self._fast = self._planned or self._hinted
-        if self._fast:
+        hooked = self._fast and self._planned and self._hook is not None and self._hook.usable(self)
+        if self._fast and not hooked:  # (following at ticks needs the saved-tensor hooks)
             self._hooks_off_for_iteration()
         self._retime_begin()
         # (an optimizer still without state after one step keeps none: SGD without momentum)
@@ -509,11 +519,15 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self.device.type == "cuda":
             self._t0_event = torch.cuda.Event(enable_timing=True)
             self._t0_event.record(torch.cuda.current_stream(self.device))
+        if hooked:  # follow at ticks: the dispatch mode off the stack until the optimizer step
+            self._hook.begin()
 
     def end_iteration(self) -> None:
         """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
         call it yourself only when training without an optimizer."""
         wall = time.perf_counter() - self._t0 if self._timing else 0.0
+        if self._hook is not None and self._hook.off_mode:  # (no optimizer step: the ticks end here)
+            self._hook.finish()
         self._hooks_on()
         self._host_finish()  # [host steps] every host update done, parameters back
         if not self._in_iter:
@@ -973,11 +987,18 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             >>> #     with run.untracked():
             >>> #         norms = [p.grad.norm() for p in model.parameters()]
         """
+        # (following at ticks the dispatch mode is off the stack: it comes back for the
+        # block, so that what the ops read is brought back first; runtime/hook_follow.py)
+        hooked = self._hook is not None and self._hook.off_mode and self._untracked == 0
+        if hooked:
+            self._mode.__enter__()
         self._untracked += 1
         try:
             yield
         finally:
             self._untracked -= 1
+            if hooked:
+                self._mode.__exit__(None, None, None)
 
     @property
     def tier_usage(self) -> dict[str, int]:
@@ -1067,6 +1088,14 @@ def offload(
             own choice. ``True``: tierflow may choose them on CUDA too. ``False``: none;
             a policy that plans them anyway (the ZeRO peers) falls back to the reactive
             pager, and ``stats.plan_error`` says why. CLI: ``tierflow train --host-steps``.
+        follow: how a planned iteration is followed. ``"ops"`` (default): every aten op
+            through the runtime's dispatch mode. ``"hooks"``: the plan is made from the
+            trace coarsened to the points where PyTorch calls hooks (module forward
+            hooks, saved-tensor pack/unpack, gradient accumulation) and followed there,
+            with no dispatch mode through forward and backward: far less Python per op
+            (what a GPU's host needs), moves a little coarser. Plans with recompute or
+            host steps, and runs with collectives, are followed op by op
+            (``stats.follow`` says which and why). See :mod:`tierflow.runtime.hook_follow`.
 
     Returns:
         A :class:`Run`; use it as a context manager.

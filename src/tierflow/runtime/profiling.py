@@ -157,6 +157,8 @@ class Profiling:
         if self._step_depth > 1:
             return
         self._in_step = True
+        if self._hook is not None and self._hook.off_mode:  # (the ticks end: the optimizer op by op)
+            self._hook.to_optimizer()
         if self._in_iter and self._recording and self._budget_bytes is not None:
             self._check_working_set()
 
@@ -448,11 +450,68 @@ class Profiling:
                 links.append(link)
         return replace(hw, links=tuple(links), buses=buses)
 
+    def _policy_plan(self, trace: Trace, hw: Hardware, plan_budget: float, budget: float | None,
+                     moves_only: bool = False) -> Plan:
+        """The policy's plan for ``trace`` (the pager's reactive plan where it cannot
+        make one: ``stats.plan_error`` says why); ``moves_only``: tierflow's joint planner
+        with its move lever alone, unless the options name the levers."""
+        from ..policies import make_plan
+
+        arg = self._policy_arg
+        if callable(arg):
+            return arg(trace, hw, plan_budget)
+        name = arg
+        options = dict(self._policy_options)
+        if name == "tierflow" and "levers" not in options and (moves_only or trace.peak_live_bytes <= plan_budget):
+            # NOTE: the iteration fits: nothing leaves the device (what a user without
+            # a budget expects). The joint planner would otherwise step the optimizer
+            # on the host for a simulated gain, the host update overlapping the
+            # device's work, which CPU mode does not have: there "host" and "device"
+            # are the same cores (gpt2-small without a budget: 148 host steps, 2 GB
+            # copied per step, 12% slower than plain PyTorch).
+            options["levers"] = "move"
+        if name == "tierflow":
+            # NOTE: the runtime follows a planned plan move by move, as simulated; a
+            # reactive one (G10's hints) runs through a pager the simulator does not
+            # model, with on-demand fetches it did not predict. Hints only where no
+            # planned plan fits (the policy's own fallback).
+            options.setdefault("reactive", False)
+        try:
+            plan = make_plan(name, trace, self._plan_hardware(hw, name), budget=budget, **options)
+            if plan.host_steps and not self._host_steps_allowed(name):
+                # (a policy whose method is host steps plans them whatever the machine)
+                raise PlanError(f"{name} planned {len(plan.host_steps)} host optimizer steps, which "
+                                "offload(host_steps=False) refuses")
+        except PlanError as e:
+            # The policy cannot plan for this budget (the budget itself is above the
+            # minimum working set: checked above). Training goes on with the reactive
+            # pager, which needs no plan; stats.plan_error says why.
+            plan = Plan(policy=f"lru (fallback from {name})", budget_bytes=plan_budget, reactive=True)
+            self.stats.plan_error = str(e)
+        return plan
+
+    def _coarse_for(self, trace: Trace, plan_budget: float) -> tuple[Any, str | None]:
+        """follow="hooks": the trace coarsened to its ticks, or None and why not."""
+        if self._follow != "hooks":
+            return None, None
+        from ..policies import min_working_set
+        from .segments import coarsen
+
+        if not trace.meta.get("ticks") or not trace.n_ops:
+            return None, "the profile logged no ticks"
+        if self._sync is not None or self._foreign or self.stats.collectives:
+            return None, "collectives and tensor subclasses are followed op by op"
+        coarse = coarsen(trace)
+        need, _op = min_working_set(coarse.trace)
+        if need > plan_budget:
+            return None, f"a segment needs {fmt_bytes(need)}, over the budget"
+        return coarse, None
+
     def _make_plan(self, trace: Trace) -> bool:
         """Plan from ``trace``; False if the trace cannot be planned from yet (the
         budget, only now known, splits the optimizer step into chunks the profiled
         iteration did not run: the next iteration is profiled with them)."""
-        from ..policies import make_plan, min_working_set
+        from ..policies import min_working_set
         from ..simulate import simulate
 
         hw = self._hardware_for(trace)
@@ -498,38 +557,26 @@ class Profiling:
                 f"op {op} ({trace.ops[op].name}) alone needs {fmt_bytes(need)} ({need} bytes)"
             )
         budget = plan_budget if math.isfinite(plan_budget) else None
-        arg = self._policy_arg
-        if callable(arg):
-            plan = arg(trace, hw, plan_budget)
-        else:
-            name = arg
-            options = dict(self._policy_options)
-            if name == "tierflow" and "levers" not in options and trace.peak_live_bytes <= plan_budget:
-                # NOTE: the iteration fits: nothing leaves the device (what a user without
-                # a budget expects). The joint planner would otherwise step the optimizer
-                # on the host for a simulated gain, the host update overlapping the
-                # device's work, which CPU mode does not have: there "host" and "device"
-                # are the same cores (gpt2-small without a budget: 148 host steps, 2 GB
-                # copied per step, 12% slower than plain PyTorch).
-                options["levers"] = "move"
-            if name == "tierflow":
-                # NOTE: the runtime follows a planned plan move by move, as simulated; a
-                # reactive one (G10's hints) runs through a pager the simulator does not
-                # model, with on-demand fetches it did not predict. Hints only where no
-                # planned plan fits (the policy's own fallback).
-                options.setdefault("reactive", False)
-            try:
-                plan = make_plan(name, trace, self._plan_hardware(hw, name), budget=budget, **options)
-                if plan.host_steps and not self._host_steps_allowed(name):
-                    # (a policy whose method is host steps plans them whatever the machine)
-                    raise PlanError(f"{name} planned {len(plan.host_steps)} host optimizer steps, which "
-                                    "offload(host_steps=False) refuses")
-            except PlanError as e:
-                # The policy cannot plan for this budget (the budget itself is above the
-                # minimum working set: checked above). Training goes on with the reactive
-                # pager, which needs no plan; stats.plan_error says why.
-                plan = Plan(policy=f"lru (fallback from {name})", budget_bytes=plan_budget, reactive=True)
-                self.stats.plan_error = str(e)
+        # follow="hooks": the plan is made from the trace coarsened to its ticks, where it
+        # can be (runtime/hook_follow.py); else from the trace itself, followed op by op
+        coarse, why = self._coarse_for(trace, plan_budget)
+        plan = self._policy_plan(coarse.trace if coarse is not None else trace, hw, plan_budget, budget,
+                                 moves_only=coarse is not None)
+        if coarse is not None and (plan.recomputes or plan.host_steps or plan.reactive):
+            why = ("the plan recomputes" if plan.recomputes else "the plan steps the optimizer on the host"
+                   if plan.host_steps else "the plan is reactive")
+            coarse = None
+            self.stats.plan_error = None
+            plan = self._policy_plan(trace, hw, plan_budget, budget)
+        self._hook = None
+        self.stats.follow = "hooks" if coarse is not None else "ops" + (f" ({why})" if why else "")
+        sigs = self._trace_sigs_next
+        if coarse is not None:
+            from .hook_follow import HookFollower, coarse_sigs
+
+            sigs = coarse_sigs(coarse, sigs)
+            self._hook = HookFollower(self, coarse, list(trace.meta.get("ticks", ())), plan)
+            trace = coarse.trace
         self._from_profile = True
         self._external_tids = frozenset(t.id for t in trace.tensors if t.external)
         self._start_away: dict[str, str] = {}
@@ -568,13 +615,15 @@ class Profiling:
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
         self._retime_arm()  # (CPU mode: the prediction again from the first followed iterations)
+        if self._hook is not None:  # (its op-by-op timing has no ops to time: see retime)
+            self._retimes_left = 0
         self._layout = self._plan_layout(trace, plan, hw)
         self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
-        sigs = self._trace_sigs_next
         self._n_ops, self._n_tensors = len(sigs), trace.n_tensors
         self._funcs = [f for f, *_ in sigs]
-        self._fast_funcs = [None if _op_kind(f, _op_name(f)) else f for f in self._funcs]  # collectives: general path
+        # (collectives: the general path; a merged segment has no op: runtime/hook_follow.py)
+        self._fast_funcs = [None if f is None or _op_kind(f, _op_name(f)) else f for f in self._funcs]
         self._out_sizes = [out_sizes for *_, out_sizes in sigs]
         self._flat_args = [f is not None and _flat_tensor_args(f) for f in self._fast_funcs]
         self._write_spots = [_write_spots(f) if f is not None else () for f in self._fast_funcs]

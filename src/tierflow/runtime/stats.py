@@ -56,6 +56,9 @@ class RunStats:
             the plan did not make, or a slot still held by a late tensor).
         stale_plans: iterations that departed from the trace; replans: plans made.
         stale_reasons: the first few departures, in words.
+        follow: how the current plan is followed: ``"hooks"`` (at ticks, from the trace
+            coarsened to them) or ``"ops"`` (op by op), with why where ``follow="hooks"``
+            was asked for and does not apply (runtime/hook_follow.py).
         plan_error: why the current plan failed :func:`tierflow.plan.validate`, if it did
             (it is executed anyway: what it gets wrong is fetched on demand).
         predicted_step_time_s: the simulator's step time for the current plan. In CPU
@@ -153,6 +156,7 @@ class RunStats:
     plan_error: str | None = None
     ideal_step_time_s: float | None = None
     policy: str = ""
+    follow: str = "ops"
     host_pool_bytes: int = 0
     ssd_file_bytes: int = 0
     ssd_bounce_bytes: int = 0

@@ -343,6 +343,10 @@ class StorageTracking:
 
     def _on_grad(self, name: str):
         def hook(p: torch.Tensor) -> None:
+            if self._hook is not None and self._hook.active:  # (following at ticks: runtime/hook_follow.py)
+                if p.grad is not None:
+                    self._hook.grad(name, p.grad)
+                return
             if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
                 self._tick("grad", name)
                 q, self._quiet = self._quiet, True
@@ -360,7 +364,9 @@ class StorageTracking:
         return tid
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
+        if self._hook is not None and self._hook.active:  # (following at ticks: runtime/hook_follow.py)
+            self._hook.pack(t)
+        elif self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
             seq = self._saved_seq
             self._saved_seq = seq + 1
             self._tick("pack", str(seq))
@@ -382,6 +388,9 @@ class StorageTracking:
             self._quiet = q
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._hook is not None and self._hook.off_mode:  # (following at ticks: runtime/hook_follow.py)
+            self._hook.unpack(_plain(t) if type(t) not in _PLAIN else t)
+            return t
         if self._fast:  # following a plan, the op that reads it fetches it if it is away
             return t
         p = _plain(t) if type(t) not in _PLAIN else t
