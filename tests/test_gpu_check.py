@@ -124,6 +124,8 @@ def test_suite_runs_every_row_of_the_hf_model_and_exits_ok(suite):
     assert got == {("plain", None), ("checkpoint", None), ("save_on_cpu", None),
                    ("tierflow", "none"), ("tierflow", "checkpoint peak"), ("tierflow", "50%"), ("tierflow", "30%"),
                    ("tierflow", "50% as bytes"), ("tierflow", "30% as bytes"),
+                   ("tierflow follow=hooks", "none"), ("tierflow follow=hooks", "checkpoint peak"),
+                   ("tierflow follow=hooks", "50%"), ("tierflow follow=hooks", "30%"),
                    ("tierflow policy=checkpoint", "checkpoint peak"),
                    ("parity", "50%"), ("parity", "30%"), ("trainer", "50%")}
     # part A (peers, tierflow at the checkpointing peak, 50%, 30%), then B (parity, Trainer), then C
@@ -143,6 +145,7 @@ def test_suite_budgets_are_shares_and_bytes_and_kept(suite):
     assert tf[("tierflow", "checkpoint peak")]["budget_bytes"] == ckpt["peak_bytes"]
     assert tf[("tierflow", "30%")]["budget_kind"] == "share" and tf[("tierflow", "30% as bytes")]["budget_kind"] == "bytes"
     assert tf[("tierflow", "none")]["within"] is None
+    assert tf[("tierflow follow=hooks", "50%")]["follow"] == "hooks"  # (the steady state at ticks: runtime/hook_follow.py)
     for r in tf.values():
         assert r["timed_steps"] == 2 and r["planned_steps_timed"] == 2 and r["step_s"] > 0
         assert r["predicted_step_time_s"] > 0 and r["fetches_per_planned_step"] >= 0
@@ -167,7 +170,7 @@ def test_suite_profiles_one_step_per_budgeted_row_and_keeps_the_first_trace(suit
 
     _, res, out = suite
     budgeted = [r for r in res["rows"] if r["config"].startswith("tierflow") and r["budget_arg"] is not None]
-    assert len(budgeted) == 6 and all(r["timeline"]["window_us"] > 0 for r in budgeted)
+    assert len(budgeted) == 9 and all(r["timeline"]["window_us"] > 0 for r in budgeted)
     kept = [r["timeline"]["trace"] for r in budgeted if r["timeline"].get("trace")]
     assert len(kept) == 1  # --traces 1
     tar_name, member = kept[0].split(":")
