@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host-steps", choices=("auto", "yes", "no"), default="auto",
                    help="may the plan run optimizer updates on the host? auto (default): on CPU yes, on CUDA "
                    "only for policies built on them (the host's kernels can round differently from the GPU's)")
+    p.add_argument("--follow", choices=("ops", "hooks"), default="ops",
+                   help="how planned steps are followed: ops (default: every op through the runtime) or hooks "
+                   "(at module, saved-tensor and gradient hooks, no per-op Python; see docs/runtime.md)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--report", default=None, metavar="HTML",
                    help="also write the HTML report of the followed plan, measured beside predicted")
@@ -71,7 +74,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     """The ``tierflow train`` command line of one rank: these arguments less ``--nproc``."""
     argv = ["train", "--model", args.model, "--steps", str(args.steps), "--device", args.device,
             "--policy", args.policy, "--optimizer", args.optimizer, "--strategy", args.strategy,
-            "--host-steps", args.host_steps]
+            "--host-steps", args.host_steps, "--follow", args.follow]
     for flag, v in (("--batch", args.batch), ("--seq", args.seq), ("--budget", args.budget),
                     ("--ssd-dir", args.ssd_dir), ("--report", args.report)):
         if v is not None:
@@ -120,7 +123,7 @@ def _train(args: argparse.Namespace) -> int:
         res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=args.device,
                     policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
                     optimizer=args.optimizer, policy_options=policy_options, host_steps=_HOST_STEPS[args.host_steps],
-                    progress=_step_bar(lambda done, description: update(
+                    follow=args.follow, progress=_step_bar(lambda done, description: update(
                         done - (0 if args.check_parity else args.steps), description=description)))
     if args.report:
         _write_report(args.report, res)
@@ -137,6 +140,7 @@ def _train(args: argparse.Namespace) -> int:
     budget = "none" if not math.isfinite(s.budget_bytes) else fmt_bytes(s.budget_bytes)
     rows = [
         ("steps (profiled / planned / fell back)", f"{s.steps} ({s.profiled_steps} / {s.planned_steps} / {s.reactive_steps})"),
+        ("planned steps followed", "at ticks (hooks)" if s.follow == "hooks" else f"op by op{s.follow[3:]}"),
         ("step time, measured", fmt_seconds(s.step_time_s)),
         ("step time, predicted (simulator)", fmt_seconds(s.predicted_step_time_s) if s.predicted_step_time_s else "n/a"),
         *([("  predicted at the plan, before its first step", fmt_seconds(s.predicted_step_time_s_at_plan))]
@@ -238,7 +242,7 @@ def _train_rank(args: argparse.Namespace, policy_options: dict) -> int:
         res = train(args.model, batch=args.batch, budget=args.budget, steps=args.steps, device=device,
                     policy=args.policy, ssd_dir=args.ssd_dir, check_parity=args.check_parity, seq=args.seq,
                     optimizer=args.optimizer, strategy=args.strategy, policy_options=policy_options,
-                    host_steps=_HOST_STEPS[args.host_steps])
+                    host_steps=_HOST_STEPS[args.host_steps], follow=args.follow)
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, res.to_dict())
         if args.report and dist.get_rank() == 0:
