@@ -89,6 +89,11 @@ class HookFollower:
         self.key_tid = {t.key: t.id for t in trace.tensors if t.key}
         self.tensors = trace.tensors
         self.moved = frozenset(moved)
+        # NOTE: where the plan moves nothing from the optimizer's first op on, the step
+        # runs without the dispatch mode too, its tensors made resident when it begins:
+        # a foreach AdamW still dispatches an op or two per parameter (the step counters'
+        # .item(): 584 a step on HF GPT-2, each through the runtime's Python on a GPU's host)
+        self.native_optimizer = not any(m.after_op >= self.opt_start for m in plan.moves)
         # per segment, the tensors of it the plan moves: what may be away at its start
         self.seg_tensors = [tuple(x for x in dict.fromkeys(o.inputs + o.outputs) if x in moved) for o in trace.ops]
         # the trace's count of what no tick binds: per segment, the bytes of the tensors
@@ -101,7 +106,8 @@ class HookFollower:
             a, b = int(first[t.id]), int(last[t.id])
             if t.id in moved and t.id in coarse.bound_at:  # (counted by its entry once its tick binds it)
                 b = min(b, coarse.bound_at[t.id] - 1)
-            b = min(b, self.opt_start - 1)  # (the optimizer's ops are followed, and counted, op by op)
+            if not self.native_optimizer:
+                b = min(b, self.opt_start - 1)  # (the optimizer's ops are followed, and counted, op by op)
             if b >= a:
                 unseen[a:b + 1] += t.bytes
         self.unseen = unseen  # (index n_seg: 0, the iteration's end)
@@ -162,10 +168,16 @@ class HookFollower:
             else:
                 self._advance(self.opt_start)
                 self.run._op = self.opt_start
+                if self.native_optimizer and not self.run._stale:
+                    for k in range(self.opt_start + 1, self.n_seg):  # (all of the step's, resident now)
+                        if self.seg_tensors[k]:
+                            self._arrive(k)
+                    return  # (the mode stays off through the step: finish() at its end)
         self.restore()
 
     def finish(self) -> None:
-        """The iteration ends with the follower still on (no optimizer step)."""
+        """The iteration ends with the follower still on (no optimizer step, or one run
+        without the mode)."""
         if self.active and self.j == len(self.expected):
             self._advance(self.n_seg)
             self.run._op = self.n_seg
