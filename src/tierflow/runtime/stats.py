@@ -175,6 +175,9 @@ class RunStats:
     host_step_bytes: int = 0
     blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
+    # where the model's and optimizer's tensors were left when the block ended: "device",
+    # or "host" where what was away did not fit the device's free memory (runtime/homecoming.py)
+    state_after_block: str = "device"
     rank: int = 0
     world_size: int = 1
     plan_digest: str | None = None
