@@ -149,7 +149,9 @@ def test_a_recompute_plan_charges_its_replays_as_measured():
         assert run.plan.recomputes and run.stats.recomputed_ops > 0
         # per replayed op, beyond the op: the replay and the forward's recording and
         # drops, each timed iteration's, their median (not the probe's scratch chains)
+        # (each sample is a difference of measured times, clamped at 0: on a loaded
+        # machine the forward's own op times can exceed the replay's, so no verdict on
+        # its size; the prediction must use these samples, not the probe's figure)
         samples = run._replay_samples
-        assert len(samples) == RETIMED and all(x > 0 for x in samples)
+        assert len(samples) == RETIMED and all(x >= 0 for x in samples)
         assert run.hardware.recompute_issue_s == sorted(samples)[RETIMED // 2]
-        assert run.hardware.recompute_issue_s != run._host_costs.recompute_issue_s
