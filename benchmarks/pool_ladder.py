@@ -8,6 +8,10 @@ Sets:
 
 * ``challenging``: MiniMalloc's challenging A-K, read in place from
   ../shared/benchmarks/pool/minimalloc-challenging.
+* ``zoo``: the device pools of zoo models planned by the ``tierflow`` policy on
+  ``rtx4090-24g`` (meta capture, default budget), as ``tierflow simulate --pool best``
+  lays them out, solved by ``best`` without the ladder (as before it) and with it,
+  interleaved, at ``--zoo-time`` seconds (default 2, the ``--pool-time`` default).
 * ``own``: eight sets with a perfect packing by construction (tierflow.pool.generate):
   guillotine cuts and stacked strips, 200-600 buffers, 500-2000 time steps, sizes in
   1 KiB multiples, each also with 10% of its buffers removed while one instant stays
@@ -69,9 +73,45 @@ def run_ladder_alone(p: pool.Problem, limit: float, seed: int) -> pool.Solution:
                          meta={"ladder": {"attempts": [{"status": a.status, "by": a.variant} for a in res.attempts]}})
 
 
+ZOO = ("gpt2-small", "bert-base", "vit-b16", "resnet50", "gpt-tiny", "bert-tiny", "vit-tiny", "llama-tiny", "mlp")
+
+
+def zoo_rows(limit: float, seed: int) -> bool:
+    from tierflow import load_hardware
+    from tierflow.capture import zoo_trace
+    from tierflow.policies import make_plan
+    from tierflow.pool import best
+
+    hw = load_hardware("rtx4090-24g")
+    print(f"\n### zoo pools (tierflow policy, rtx4090-24g; best --time-limit {limit:g} without / with the ladder)\n")
+    print("| model | buffers | lower bound | before | before/LB | after | after/LB | found by | valid |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    ok = True
+    for name in ZOO:
+        trace = zoo_trace(name, hardware=hw)
+        try:
+            p = pool.from_trace(trace, make_plan("tierflow", trace, hw), hw)
+        except pool.PoolError as e:  # a plan that recomputes or host-steps has no pool model yet
+            print(f"| {name} | | | skipped: {e} | | | | | |")
+            continue
+        saved = best.LADDER_MAX_BUFFERS
+        try:
+            best.LADDER_MAX_BUFFERS = 0
+            before = pool.solve(p, "best", time_limit=limit, seed=seed)
+        finally:
+            best.LADDER_MAX_BUFFERS = saved
+        after = pool.solve(p, "best", time_limit=limit, seed=seed)
+        valid = all(pool.validate(p, s.offsets, s.peak).valid for s in (before, after))
+        ok &= valid
+        print(f"| {name} | {len(p)} | {p.lower_bound:,} | {before.peak:,} | {before.ratio:.4f} | {after.peak:,} | "
+              f"{after.ratio:.4f} | {after.meta.get('found_by')} | {'yes' if valid else 'NO'} |", flush=True)
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sets", nargs="*", default=["challenging", "own"], choices=["challenging", "own"])
+    ap.add_argument("--sets", nargs="*", default=["challenging", "own"], choices=["challenging", "own", "zoo"])
+    ap.add_argument("--zoo-time", type=float, default=2.0, help="seconds per zoo pool (default 2)")
     ap.add_argument("--cases", nargs="*", default=None, help="only these case names")
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--solver", default="best", choices=["best", "ladder"])
@@ -80,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", file=sys.stderr)
     ok = True
     for group in args.sets:
+        if group == "zoo":
+            ok &= zoo_rows(args.zoo_time, args.seed)
+            continue
         problems = challenging(args.cases) if group == "challenging" else [
             p for p in own_sets() if not args.cases or p.name in args.cases]
         print(f"\n### {group} ({args.solver}, --time-limit {args.time_limit:g})\n")
