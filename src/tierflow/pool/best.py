@@ -69,6 +69,9 @@ STEP = 1 << 13
 # the decision ladder (module ladder, CP-SAT) runs beside the search on problems of at
 # most this many buffers (its model grows with the overlapping pairs)
 LADDER_MAX_BUFFERS = 2000
+# lanes of the ladder beside the search (each a thread; CP-SAT and the compiled search
+# release the GIL)
+LADDER_WORKERS = 1
 # deterministic mode (a node limit): CP-SAT deterministic time the ladder gets after
 # the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
@@ -140,8 +143,9 @@ def solve_best(
 
     # 2a. the decision ladder: beside the search in a thread (wall-clock mode), or
     # after it within a deterministic budget (node-limit mode)
-    lad = _LadderRun.start(problem, keep, best_off * gcd, deadline, seed,
-                           threaded=node_limit is None, active=best_cost > lb and 0 < n <= LADDER_MAX_BUFFERS)
+    shared = [best_cost * gcd]  # the search's best peak in alignment units, read by the ladder
+    lad = _LadderRun.start(problem, keep, best_off * gcd, deadline, seed, threaded=node_limit is None,
+                           active=best_cost > lb and 0 < n <= LADDER_MAX_BUFFERS, known=shared)
 
     # 2. capacity search in rounds of doubling node budgets
     rng = np.random.default_rng(seed)
@@ -186,6 +190,7 @@ def solve_best(
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
             best_off, best_cost, best_from = off, cost(off), "search"
+            shared[0] = best_cost * gcd
             break
         if proven:
             floor_cap += 1
@@ -196,6 +201,7 @@ def solve_best(
             off, proven = probe(cap, limit)
             if off is not None:
                 best_off, best_cost, best_from = off, cost(off), "search"
+                shared[0] = best_cost * gcd
                 hi = best_cost - 1
             else:
                 if proven:
@@ -269,8 +275,9 @@ class _LadderRun:
     search or run later, and its answer in the search's terms."""
 
     def __init__(self, red: Reduced | None, start: np.ndarray | None, deadline: float, seed: int,
-                 threaded: bool) -> None:
+                 threaded: bool, known: list[int] | None = None) -> None:
         self.red, self.start, self.deadline, self.seed = red, start, deadline, seed
+        self.known = known
         self.active = red is not None
         self.stop = threading.Event()
         self.result: LadderResult | None = None
@@ -281,8 +288,9 @@ class _LadderRun:
 
     @classmethod
     def start(cls, problem: Problem, keep: np.ndarray, start_units: np.ndarray, deadline: float, seed: int,
-              threaded: bool, active: bool) -> _LadderRun:
-        """``start_units``: the incumbent of the kept buffers in alignment units."""
+              threaded: bool, active: bool, known: list[int] | None = None) -> _LadderRun:
+        """``start_units``: the incumbent of the kept buffers in alignment units;
+        ``known[0]``: the search's best peak in alignment units as it improves."""
         if not active or not lns.available():
             return cls(None, None, deadline, seed, threaded)
         red = reduce(problem)
@@ -291,11 +299,16 @@ class _LadderRun:
         start = red.restrict(full)
         if start is None:  # not on the reduced grid: start from greedy there instead
             start = best_fit(red.lower, red.upper, red.size, np.lexsort((np.arange(len(red)), red.lower, -red.size)))
-        return cls(red, start, deadline, seed, threaded)
+        return cls(red, start, deadline, seed, threaded, known)
 
     def _run(self, det_budget: float | None) -> None:
+        known = None
+        if self.known is not None and det_budget is None:  # beside the search only: it changes under us
+            # a placement peaking at P units pushes down onto the reduced grid at P // gcd
+            known = lambda: self.known[0] // self.red.gcd  # noqa: E731
         self.result = ladder(self.red, self.start, time_limit=max(0.0, self.deadline - time.perf_counter()),
-                             seed=self.seed, workers=1, det_budget=det_budget, stop=self.stop)
+                             seed=self.seed, workers=LADDER_WORKERS, det_budget=det_budget, stop=self.stop,
+                             known=known)
 
     def settled(self) -> bool:
         """The ladder (in its thread) has finished with a proven optimum."""

@@ -122,6 +122,7 @@ def ladder(
     det_budget: float | None = None,
     stop: threading.Event | None = None,
     progress: Callable[[int], None] | None = None,
+    known: Callable[[], int] | None = None,
 ) -> LadderResult:
     """Lower the peak of ``start`` by a ladder of decisions (module docstring).
 
@@ -136,6 +137,8 @@ def ladder(
             (shares as for the wall budget); one lane whatever ``workers`` says.
         stop: set by a caller to end the ladder early (e.g. another solver met the bound).
         progress: called with the best peak whenever it improves.
+        known: the best peak another solver running beside has found (reduced units):
+            bisection then aims below it rather than below the ladder's own best.
     """
     t0 = time.perf_counter()
     deadline = t0 + max(0.0, time_limit)
@@ -184,19 +187,24 @@ def ladder(
         if a.status == INFEASIBLE:
             result.floor = a.cap + 1
             continue
-        lo, hi = result.floor + 1, result.peak - 1
+        lo, hi = result.floor + 1, _below(result.peak, known)
         while lo <= hi and not halted():
             cap = (lo + hi) // 2
             a = rung(cap, RUNG_SHARE * total * scale)
             if a.status == FEASIBLE:
                 accept(a)
-                hi = result.peak - 1
+                hi = _below(result.peak, known)
             else:
                 if a.status == INFEASIBLE:
                     result.floor = max(result.floor, cap + 1)
                 lo = cap + 1
         round_ += 1
     return result
+
+
+def _below(peak: int, known: Callable[[], int] | None) -> int:
+    """The highest capacity worth asking: one below the best peak anyone has found."""
+    return min(peak, known() if known is not None else peak) - 1
 
 
 def _run_rung(red: Reduced, cap: int, lanes: list[list[Member]], share: float, deterministic: bool,
