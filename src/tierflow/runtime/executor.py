@@ -76,6 +76,7 @@ from .kernel_times import KernelTimer, mark
 from .moves import Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
+from .outside import CheckpointGuard, OutsideWork
 from .profiling import Profiling
 from .recompute import DROPPED, Recomputing, rng_states
 from .retime import Retiming
@@ -380,6 +381,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # what was on the device before the block (another model, the data) is not
             # the run's: untracked memory is counted above this
             self._untracked_base = torch.cuda.memory_allocated(self.device) - self._device_bytes
+        # (state dicts taken inside the block never hold an away tensor: runtime/outside.py)
+        self._checkpoints = CheckpointGuard(self)
+        self._checkpoints.install(self.model, self.optimizer)
+        self._outside = OutsideWork()
         self._mode = _Mode(self)
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._mode.__enter__()
@@ -407,6 +412,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._mode.__exit__(None, None, None)
             for h in self._hooks:
                 h.remove()
+            self._checkpoints.remove()
             self._host_close()  # [host steps] updates finished, state back where it was
             if self._chunker is not None:
                 self._chunker.uninstall()

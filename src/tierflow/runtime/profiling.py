@@ -244,6 +244,9 @@ class Profiling:
             # no plan counts on moving it (each such move was skipped, and the room the
             # plan had counted on was made by unplanned evictions)
             external = i in self._first_in and (e.kind in LOOP_KINDS or e.foreign)
+            # (a storage the runtime did not make and cannot resize, what torch.load or
+            # from_numpy built, say: held memory, never moved; runtime/outside.py)
+            external = external or not e.resizable
             # NOTE: PyTorch frees a storage when its last reference goes, not at its last
             # use: a Python local, autograd's buffers, every .grad until zero_grad. The
             # memory is held until then, and a plan that counts it freed at its last use
