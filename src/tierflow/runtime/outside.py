@@ -21,7 +21,10 @@ written as an empty record, and loading it back fails (``Trying to resize storag
 is not resizable``: the loaded storage has no bytes for the tensor). So the state dicts
 of the model and the optimizer (post hooks on both) never hold an away tensor: each
 one is replaced by a copy of its bytes, read back from its tier and sent back there, so
-the device budget holds and the rest of the state dict still aliases the model.
+the device budget holds and the rest of the state dict still aliases the model. And
+optimizer state loaded inside the block (``load_state_dict`` keeps the loaded tensors,
+whose storages ``torch.load`` made and nobody may resize) is replaced by copies the
+runtime made, so the plan moves it as before rather than departing at every move of it.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class CheckpointGuard:
         self._run = run
         self._handles: list[Any] = []
         self.copies = 0  # away tensors a state dict received as copies
+        self.adopted = 0  # loaded optimizer state tensors replaced by copies the runtime made
 
     def install(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         # (a plain function: torch marks a public hook with an attribute, which a bound
@@ -91,6 +95,7 @@ class CheckpointGuard:
             self._handles.append(m.register_state_dict_post_hook(hook))
         if optimizer is not None:
             self._handles.append(optimizer.register_state_dict_post_hook(self._optimizer_hook))
+            self._handles.append(optimizer.register_load_state_dict_post_hook(self._adopt_loaded))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -105,11 +110,35 @@ class CheckpointGuard:
                 state[key] = self._safe(v)
 
     def _optimizer_hook(self, _opt: torch.optim.Optimizer, state: dict) -> dict:
-        for per_param in state.get("state", {}).values():
-            for k, v in list(per_param.items()):
-                if isinstance(v, torch.Tensor):
-                    per_param[k] = self._safe(v)
+        # NOTE: torch's state dict shares each parameter's state dict with the optimizer
+        # itself: a copy goes into a new dict, never into the optimizer's own state
+        packed = state.get("state", {})
+        for pid, per_param in list(packed.items()):
+            safe = {k: self._safe(v) if isinstance(v, torch.Tensor) else v for k, v in per_param.items()}
+            if any(safe[k] is not v for k, v in per_param.items()):
+                packed[pid] = safe
         return state
+
+    def _adopt_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.load_state_dict()`` inside the block: state tensors whose
+        storage cannot be resized (what ``torch.load`` or ``safetensors`` built, shared
+        with the loaded dict as ``load_state_dict`` leaves them) are replaced by copies
+        the runtime made, so that the plan can move them as before. The values are the
+        same; only the loaded dict no longer shares them."""
+        run = self._run
+        if not run._open:
+            return
+        quiet, run._quiet = run._quiet, True
+        try:
+            for state in optimizer.state.values():
+                for k, v in list(state.items()):
+                    if (isinstance(v, torch.Tensor) and getattr(v, run._dev_attr) is True
+                            and not v.untyped_storage().resizable()):
+                        state[k] = v.clone()
+                        self.adopted += 1
+            run._label_opt_state()  # (the copies take the state's keys: the plan finds them)
+        finally:
+            run._quiet = quiet
 
     def _away(self, t: torch.Tensor) -> _Entry | None:
         run = self._run

@@ -522,6 +522,10 @@ class Profiling:
         if self._budget_share is not None:
             self.budget = self._budget_share * trace.peak_live_bytes
             self.stats.budget_bytes = self.budget
+            # NOTE: a share is of the first profiled iteration's unconstrained peak, and
+            # stays that many bytes: a later profile (a new shape, a departure) runs under
+            # the budget, and its peak is no base for a share (50% of a 50% peak)
+            self._budget_bytes, self._budget_share = self.budget, None
         held = 0
         if math.isfinite(self.stats.budget_bytes):
             # NOTE: the budget is what torch.cuda.max_memory_allocated may reach; part of
