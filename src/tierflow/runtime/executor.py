@@ -523,6 +523,24 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._from_profile = True  # (the next planned iteration restores its start state)
             st.reactive_signature_steps += 1
 
+    def _plan_for_signature(self, trace: Trace) -> bool:
+        """Plan from ``trace`` (see ``_make_plan``) for the current signature and cache
+        the plan. NOTE: a plan made while other signatures' plans are cached does
+        without host steps where the choice is tierflow's own (``host_steps=None``): a
+        host-step plan holds the optimizer state on the host, and each switch between it
+        and another plan moved all of it back and forth (a 3-length bucketing loop: its
+        host-step bucket's steps 2.2x those of the same length alone)."""
+        knob = self._host_steps
+        if knob is None and self._plan_why == "new signature" and self._policy_arg == "tierflow":
+            self._host_steps = False
+        try:
+            planned = self._make_plan(trace)
+        finally:
+            self._host_steps = knob
+        if planned:
+            self._plan_made()
+        return planned
+
     def _plan_made(self) -> None:
         """A plan was just made for the current signature: count why, and cache it."""
         st, cache = self.stats, self._plans
@@ -661,9 +679,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 if want:
                     if self._sync is not None:
                         trace = self._agree_trace(trace)
-                    planned = self._make_plan(trace)
-                    if planned:
-                        self._plan_made()
+                    planned = self._plan_for_signature(trace)
                     if planned and self._sync is not None:
                         self._sync.check_same(
                             "made different plans", self.stats.plan_digest or "",
