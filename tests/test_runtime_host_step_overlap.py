@@ -188,16 +188,18 @@ def test_state_dict_round_trip_and_lr_scheduler_inside_the_block():
     _assert_same_model(m0, o0, m1, o1)
 
 
-def test_a_departure_from_the_trace_keeps_host_steps_exact(tmp_path):
-    """A batch of another shape mid-run: that iteration's updates run when its step
-    ends (no gradient hook starts them), the next is profiled without host steps and
-    re-planned with them; every step bitwise equal."""
+def test_a_new_signature_mid_run_keeps_host_steps_exact(tmp_path):
+    """A batch of another shape mid-run: a new signature (runtime/signatures.py), so the
+    host steps are given up, that iteration is profiled and planned; the long batches
+    come back to their cached plan, whose host steps are taken up again; every step
+    bitwise equal."""
     g = zoo.build("gpt-tiny", seed=0).make_batch
     long, short = g(4, 32), g(4, 16)
     batches = [long] * 5 + [short] + [long] * 6
     run, _, _ = _pair("gpt-tiny", "adamw", GPT_BUDGET, tmp_path=tmp_path, batches=batches)
     s = run.stats
-    assert s.stale_plans >= 1 and s.replans >= 2
+    assert s.stale_plans == 0 and s.plans_by_reason == {"first": 1, "new signature": 1}
+    assert s.signature_hits == 1 and s.step_kinds[-6:] == ["planned"] * 6
     assert s.host_steps > 0 and s.host_stepped_params > 0
     assert s.peak_device_bytes <= s.budget_bytes
 

@@ -153,6 +153,7 @@ def _train(args: argparse.Namespace) -> int:
         ("stalls (on-demand fetches)", f"{s.stalls} ({fmt_seconds(s.stall_s)})"),
         ("planned moves / unplanned evictions", f"{s.planned_moves} / {s.unplanned_evictions}"),
         ("stale plans / plans made", f"{s.stale_plans} / {s.replans}"),
+        *_plan_count_rows(s),
     ]
     for reason, n in sorted(s.departures.items(), key=lambda kv: -kv[1])[:4]:  # where it left the plan
         rows.append((f"left the plan: {reason}", str(n)))
@@ -170,6 +171,37 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if res.parity is not False else 1
 
 
+def plans_summary(s) -> str:
+    """How many plans a run made and why, in words: ``"3 plans made (first 1, new
+    signature 2)"``.
+
+    Args:
+        s: the run's :class:`~tierflow.runtime.stats.RunStats`.
+
+    Example:
+        >>> from tierflow.runtime.stats import RunStats
+        >>> plans_summary(RunStats(replans=1, plans_by_reason={"first": 1}))
+        '1 plan made (first 1)'
+    """
+    why = ", ".join(f"{k} {v}" for k, v in s.plans_by_reason.items())
+    return f"{s.replans} plan{'' if s.replans == 1 else 's'} made" + (f" ({why})" if why else "")
+
+
+def _plan_count_rows(s) -> list[tuple[str, str]]:
+    """The rows of ``tierflow train``'s table on plans per signature and the work
+    between iterations (runtime/signatures.py, runtime/outside.py)."""
+    rows = [("plans made, by why", plans_summary(s))]
+    if s.signature_hits or s.signatures_cached > 1 or s.reactive_signature_steps:
+        rows.append(("signatures: cached / hits / evicted / run on the pager",
+                     f"{s.signatures_cached} / {s.signature_hits} / {s.signatures_evicted} / "
+                     f"{s.reactive_signature_steps}"))
+    if s.outside_forwards:
+        rows.append(("forwards outside training (validation)", str(s.outside_forwards)))
+    if s.checkpoint_copies:
+        rows.append(("state dict copies of away tensors", str(s.checkpoint_copies)))
+    return rows
+
+
 def _write_report(path: str, res) -> None:
     """The report of the plan the run followed: the simulator's prediction and, beside
     it, the measured step time and device peak."""
@@ -183,7 +215,7 @@ def _write_report(path: str, res) -> None:
     per = max(1, s.planned_steps)  # the levers act in the iterations that follow the plan
     measured = {run.prediction.policy: Measured(
         time_s=s.step_time_s, peak_bytes={run.hardware.device: int(s.peak_device_bytes)},
-        source=f"measured on {res.device}",
+        source=f"measured on {res.device}; {plans_summary(s)}",
         levers={"recompute_ops": s.recomputed_ops / per, "recompute_s": s.recompute_s / per,
                 "host_steps": s.host_steps / per, "host_step_s": s.host_step_s / per},
     )}

@@ -77,9 +77,11 @@ from .kernel_times import KernelTimer, mark
 from .moves import Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
+from .outside import CheckpointGuard, OutsideWork
 from .profiling import Profiling
 from .recompute import Recomputing, rng_states
 from .retime import Retiming
+from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
 from .stats import RunStats
 from .storages import (
     _PLAIN,
@@ -236,8 +238,16 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         host_step_overlap: bool = True,
         host_steps: bool | None = None,
         follow: str = "ops",
+        max_plans: int = DEFAULT_MAX_PLANS,
     ):
         from .hook_follow import FOLLOW_CHOICES
+
+        try:  # plans kept, one per iteration signature (runtime/signatures.py)
+            self._plans = PlanCache(max_plans)
+        except ValueError as e:
+            raise OffloadError(f"offload: {e}") from None
+        self._plan_why = "first"  # why the next profile is made (stats.plans_by_reason)
+        self._pager_iteration = False  # this iteration runs on the pager, unplanned (signatures)
 
         if follow not in FOLLOW_CHOICES:
             raise OffloadError(f"offload: follow={follow!r}; expected one of {', '.join(map(repr, FOLLOW_CHOICES))}")
@@ -334,6 +344,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._untracked = 0
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         self._in_iter = False
+        self._outside_ran = False  # an op ran between iterations (see _begin)
         self._fast = False
         self._recording = self._planned = self._hinted = False
         self._iter_peak = 0
@@ -358,7 +369,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         for n, b in self.model.named_buffers():
             self._label(self._entry(b), "parameter", f"buffer:{n}", n)
         self._label_opt_state()
-        self._hooks = [self.model.register_forward_pre_hook(self._on_forward, prepend=True)]
+        self._hooks = [self.model.register_forward_pre_hook(self._on_forward, prepend=True, with_kwargs=True)]
         for n, p in self.model.named_parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
@@ -381,6 +392,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # what was on the device before the block (another model, the data) is not
             # the run's: untracked memory is counted above this
             self._untracked_base = torch.cuda.memory_allocated(self.device) - self._device_bytes
+        # (state dicts taken inside the block never hold an away tensor: runtime/outside.py)
+        self._checkpoints = CheckpointGuard(self)
+        self._checkpoints.install(self.model, self.optimizer)
+        self._outside = OutsideWork()
         self._mode = _Mode(self)
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._mode.__enter__()
@@ -408,6 +423,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._mode.__exit__(None, None, None)
             for h in self._hooks:
                 h.remove()
+            self._checkpoints.remove()
             self._host_close()  # [host steps] updates finished, state back where it was
             if self._chunker is not None:
                 self._chunker.uninstall()
@@ -417,6 +433,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._drain_writes(raise_errors=False)
             self._copier.drain()
             self._reap()
+            if not self._in_iter and self._outside_ran:  # (validation after the last step)
+                self._fold_outside_peak()
+            self.stats.checkpoint_copies = self._checkpoints.copies
             if self.device.type == "cuda":
                 self._collect_step_times(wait=True)
                 self.stats.cuda_max_allocated = int(torch.cuda.max_memory_allocated(self.device))
@@ -437,16 +456,25 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if errors and exc is None:
             raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
 
-    def _on_forward(self, module, args):
-        # a forward inside untracked() (evaluation) begins no iteration: otherwise the
-        # data loading after it would become the first op of a planned iteration
-        if self._untracked:
+    def _on_forward(self, module, args, kwargs=None):
+        # a forward inside untracked(), or under no_grad / inference_mode between
+        # iterations (validation, generation, a metric), begins no iteration: it trains
+        # nothing, its ops run on the general path within the budget, and the plan stays
+        # in force for the next training forward (runtime/outside.py)
+        if self._outside.is_outside(self._in_iter, self._untracked > 0):
+            if not self._untracked:
+                self._outside.note()
+                self.stats.outside_forwards = self._outside.forwards
             return
         if not self._in_iter:
             self._quiet = True
             try:
                 if self.plan is not None and not self._need_profile:
+                    held = self.stats.held_replans
                     self._check_held()  # the loop holds more than when profiled: profile again
+                    if self.stats.held_replans > held:
+                        self._plan_why = "held"
+                self._choose_plan(signature_of(args, kwargs or {}, module.training))
                 self._begin()
                 for i, x in enumerate(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
                     e = self._entry(x, counted=False)
@@ -455,7 +483,81 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             finally:
                 self._quiet = False
 
+    def _choose_plan(self, sig: Any) -> None:
+        """Before an iteration of signature ``sig`` begins: follow its cached plan,
+        profile it (a new signature), or run it on the pager (runtime/signatures.py)."""
+        cache, st = self._plans, self.stats
+        self._pager_iteration = False
+        if self.plan is None or cache.current is None:  # (no plan yet: the first profile)
+            cache.current = sig
+            return
+        if sig == cache.current:
+            return
+        if self._need_profile:  # the current signature's plan departed: not to be followed again
+            cache.plans.pop(cache.current, None)
+        elif cache.current in cache.plans:  # (its retimed trace and figures, as they are now)
+            kept = cache.plans[cache.current]
+            now = snapshot(self)
+            kept.state, kept.stats = now.state, now.stats
+        decision = cache.decide(sig)
+        if decision == "follow":
+            # NOTE: host steps own live state (master copies, the state on the host,
+            # hooks): given up for the plan being left, taken up again for the one restored
+            self._host_release()
+            restore(self, cache.plans[sig])
+            if self.plan.host_steps:
+                self._host_adopt(self.trace, self.plan)
+            cache.followed(sig)
+            cache.current = sig
+            self._need_profile = False
+            self._from_profile = True  # (its start state: what it wants on the device, and away)
+            st.signature_hits += 1
+        elif decision == "profile":
+            cache.current = sig
+            self._need_profile, self._plan_why = True, "new signature"
+        else:  # a first sighting while the cache churns: the pager keeps the budget
+            self._pager_iteration = True
+            self._from_profile = True  # (the next planned iteration restores its start state)
+            st.reactive_signature_steps += 1
+
+    def _plan_for_signature(self, trace: Trace) -> bool:
+        """Plan from ``trace`` (see ``_make_plan``) for the current signature and cache
+        the plan. NOTE: a plan made while other signatures' plans are cached does
+        without host steps where the choice is tierflow's own (``host_steps=None``): a
+        host-step plan holds the optimizer state on the host, and each switch between it
+        and another plan moved all of it back and forth (a 3-length bucketing loop: its
+        host-step bucket's steps 2.2x those of the same length alone)."""
+        knob = self._host_steps
+        if knob is None and self._plan_why == "new signature" and self._policy_arg == "tierflow":
+            self._host_steps = False
+        try:
+            planned = self._make_plan(trace)
+        finally:
+            self._host_steps = knob
+        if planned:
+            self._plan_made()
+        return planned
+
+    def _plan_made(self) -> None:
+        """A plan was just made for the current signature: count why, and cache it."""
+        st, cache = self.stats, self._plans
+        st.plans_by_reason[self._plan_why] = st.plans_by_reason.get(self._plan_why, 0) + 1
+        self._plan_why = "departure"  # (the next profile of this signature, unless said otherwise)
+        if self.plan is not None and cache.current is not None:
+            cache.store(cache.current, snapshot(self))
+        st.signatures_cached, st.signatures_evicted = len(cache.plans), cache.evicted
+
+    def _fold_outside_peak(self) -> None:
+        """The peak of the ops run since the last iteration ended (validation, a state
+        dict, logging) into the run's figures."""
+        st = self.stats
+        if math.isfinite(self.budget):  # (a share budget is known from the first plan on)
+            st.peak_device_bytes_outside = max(st.peak_device_bytes_outside, self._iter_peak)
+            st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
+
     def _begin(self) -> None:
+        if self._outside_ran:
+            self._fold_outside_peak()
         self._in_iter = True
         self._step_depth = 0  # (a step that raised left its count behind)
         self._op = 0
@@ -464,9 +566,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._freed_at: dict[int, int] = {}  # profiling: trace id -> last op its storage was alive
         self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident
         self._first_in: set[int] = set()  # profiling: trace ids first seen as an op's input
-        self._recording = self._need_profile or self.plan is None
-        self._planned = not self._recording and self.plan is not None and not self.plan.reactive
-        self._hinted = not self._recording and self.plan is not None and self.plan.reactive
+        self._recording = (self._need_profile or self.plan is None) and not self._pager_iteration
+        following = not self._recording and self.plan is not None and not self._pager_iteration
+        self._planned = following and not self.plan.reactive
+        self._hinted = following and self.plan.reactive
         if self._recording and self._host_active:  # [host steps] a profile sees the whole step on the device
             self._host_release()
         # following a plan, only the tensors the plan names are identified (by _bind):
@@ -504,9 +607,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 e = self._by_key.get(key)
                 if e is not None and e.state == RESIDENT and self._evict(e, tier):
                     self.stats.planned_moves += 1
-            if self._from_profile:
+            # (after a profile, or after ops between iterations moved what the plan
+            # starts with: validation, a state dict; runtime/outside.py)
+            if self._from_profile or self._outside_ran:
                 self._from_profile = False
                 self._enter_start_state()
+        self._outside_ran = False
         self._reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         if self._recording:
             self._held = self._held_entries()
@@ -541,6 +647,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         st = self.stats
         st.steps += 1
         kind = "planned" if ((self._planned or self._hinted) and not self._stale) else "other"
+        st.step_kinds.append(kind if kind == "planned" else ("warmup" if self._warmup else "profiled")
+                             if self._recording else "reactive")
         self._time_step(kind)
         if self._budgeted or (self._budget_bytes is None and self._budget_share is None):
             st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
@@ -568,7 +676,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 if want:
                     if self._sync is not None:
                         trace = self._agree_trace(trace)
-                    planned = self._make_plan(trace)
+                    planned = self._plan_for_signature(trace)
                     if planned and self._sync is not None:
                         self._sync.check_same(
                             "made different plans", self.stats.plan_digest or "",
@@ -588,6 +696,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._stale:
             self._need_profile = True
         self._iter_tid, self._iter_entries = {}, []
+        # (from here: the peak of the ops between iterations, _fold_outside_peak; not what
+        # the iteration left, above a share budget after the unconstrained profile)
+        self._iter_peak = 0
         self._reset_chains()  # (what a chain holds is released with the iteration)
 
     def _time_step(self, kind: str) -> None:
@@ -620,6 +731,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             st.step_time_s = sum(self._time_sums.values()) / sum(self._time_counts.values())
 
     def _handle(self, func, args, kwargs, types=()):
+        if not self._in_iter:  # (an op between iterations: the plan's start state is restored at _begin)
+            self._outside_ran = True
         # profiling: every op the model dispatches is asked its scope (that is what ties
         # the autograd nodes it makes to its module, for backward's scopes)
         scope = self._scopes.scope() if self._scopes is not None else None
@@ -1093,6 +1206,17 @@ def offload(
             (what a GPU's host needs), moves a little coarser. Plans with recompute or
             host steps, and runs with collectives, are followed op by op
             (``stats.follow`` says which and why). See :mod:`tierflow.runtime.hook_follow`.
+        max_plans: plans kept, one per iteration *signature* (the shapes and dtypes of
+            what the loop feeds the model at an iteration's first forward; like
+            ``torch.compile``'s recompile limit), least recently used out. A bucketing
+            loader's lengths are each profiled and planned once and followed from then
+            on; shapes that never repeat run on the pager, within the budget, once the
+            last plans made were never followed (:mod:`tierflow.runtime.signatures`).
+
+    Inside the block the loop may also validate (a forward under ``torch.no_grad()`` or
+    ``torch.inference_mode()``, with or without ``model.eval()``: it runs within the
+    budget and the plan stays in force), log, and save or load checkpoints (a state dict
+    never holds a tensor the plan has away: :mod:`tierflow.runtime.outside`).
 
     Returns:
         A :class:`Run`; use it as a context manager.
@@ -1100,7 +1224,8 @@ def offload(
     Raises:
         BudgetError: the budget is below the minimum working set.
         SSDError: the SSD file cannot be created (filesystem full) or I/O failed.
-        OffloadError: the host pool is full and there is no SSD to spill to; raised at
+        OffloadError: ``follow`` or ``max_plans`` is not one the runtime knows; the host
+            pool is full and there is no SSD to spill to; raised at
             planning (after the profiled step) where the plan needs more host memory
             than the pool may hold.
         RankMismatchError: (an ``OffloadError``) the ranks profiled different iterations

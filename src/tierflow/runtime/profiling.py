@@ -244,6 +244,9 @@ class Profiling:
             # no plan counts on moving it (each such move was skipped, and the room the
             # plan had counted on was made by unplanned evictions)
             external = i in self._first_in and (e.kind in LOOP_KINDS or e.foreign)
+            # (a storage the runtime did not make and cannot resize, what torch.load or
+            # from_numpy built, say: held memory, never moved; runtime/outside.py)
+            external = external or not e.resizable
             # NOTE: PyTorch frees a storage when its last reference goes, not at its last
             # use: a Python local, autograd's buffers, every .grad until zero_grad. The
             # memory is held until then, and a plan that counts it freed at its last use
@@ -519,6 +522,10 @@ class Profiling:
         if self._budget_share is not None:
             self.budget = self._budget_share * trace.peak_live_bytes
             self.stats.budget_bytes = self.budget
+            # NOTE: a share is of the first profiled iteration's unconstrained peak, and
+            # stays that many bytes: a later profile (a new shape, a departure) runs under
+            # the budget, and its peak is no base for a share (50% of a 50% peak)
+            self._budget_bytes, self._budget_share = self.budget, None
         held = 0
         if math.isfinite(self.stats.budget_bytes):
             # NOTE: the budget is what torch.cuda.max_memory_allocated may reach; part of

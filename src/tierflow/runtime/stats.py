@@ -119,6 +119,24 @@ class RunStats:
             nothing while a dispatch mode like the runtime's is active, so that code
             runs uncompiled inside the block (warned once per run). 0: no compiled
             code ran.
+        outside_forwards: forwards outside training (under ``no_grad`` or
+            ``inference_mode`` between iterations: validation, generation, a metric),
+            run within the budget without ending the plan (:mod:`tierflow.runtime.outside`).
+        peak_device_bytes_outside: highest accounted device bytes between iterations
+            (outside forwards, logging, state dicts); within ``peak_device_bytes`` too.
+        checkpoint_copies: tensors a state dict taken inside the block received as a
+            copy, because the plan had them away (``torch.save`` reads bytes directly).
+        plans_by_reason: plans made, by why: ``first`` (the first profile),
+            ``new signature`` (an iteration fed the model shapes or dtypes no cached
+            plan was made for), ``departure`` (an iteration of a known signature left
+            its trace), ``held`` (the loop came to hold more than when profiled).
+        signature_hits: iterations that began with a cached plan of their signature.
+        signatures_cached: signatures with a plan in the cache at the end (at most
+            ``max_plans``); signatures_evicted: plans dropped to make room for a new one.
+        reactive_signature_steps: iterations of a signature that was not planned (past
+            the cache's bound: see :mod:`tierflow.runtime.signatures`), run on the pager.
+        step_kinds: per iteration, in order: ``planned`` (followed a plan to its end),
+            ``profiled``, ``reactive`` or ``warmup``.
     """
 
     steps: int = 0
@@ -185,10 +203,21 @@ class RunStats:
     busy_refusals: int = 0
     foreign_storages: int = 0
     compiled_ops_run_eager: int = 0
+    outside_forwards: int = 0
+    peak_device_bytes_outside: int = 0
+    checkpoint_copies: int = 0
+    plans_by_reason: dict[str, int] = field(default_factory=dict)
+    signature_hits: int = 0
+    signatures_cached: int = 0
+    signatures_evicted: int = 0
+    reactive_signature_steps: int = 0
+    step_kinds: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["step_times_s"] = list(self.step_times_s)
+        d["step_kinds"] = list(self.step_kinds)
+        d["plans_by_reason"] = dict(self.plans_by_reason)
         return d
 
     def restore(self, saved: RunStats) -> None:

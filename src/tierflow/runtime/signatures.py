@@ -1,0 +1,171 @@
+"""A plan per iteration signature: loops whose batches change shape keep their plans.
+
+An iteration's *signature* is what the loop feeds the model at the iteration's first
+forward: the shape, dtype and device of every tensor among the forward's arguments
+(and the non-tensor ones, which can change the ops: a flag, a length), plus whether the
+model is in training mode. Batches of one signature run the same ops on tensors of the
+same sizes, so one plan serves them all; a bucketing data loader gives a few
+signatures, each seen again and again.
+
+:class:`PlanCache` keeps the plans made so far, keyed by signature, least recently used
+out past ``max_plans`` (``offload(..., max_plans=8)``, like ``torch.compile``'s
+recompile limit). An iteration whose signature has a cached plan follows it from its
+first op (the plan's start state is restored first: what it wants on the device,
+what it wants away); one whose signature is new is profiled and planned once.
+
+Shapes that never repeat. Planning costs a profiled iteration (every op recorded and
+measured) and the policy's time, paid back only by the iterations that follow the
+plan. When the cache is *churning* (the last :data:`CHURN_WINDOW` plans it made, or
+``max_plans`` if fewer, were never followed: each signature was seen once), a new
+signature is not
+profiled at its first sighting: it runs on the runtime's pager, which keeps the budget
+by itself (it makes room before each op for the bytes the op's meta kernel says it will
+make, least recently used out), and is remembered; if it comes back, it is profiled and
+planned then. So unbucketed lengths cost the pager's step, never a plan that is thrown
+away, and lengths that do repeat are still planned. The budget holds either way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+#: The executor's attributes that make up a plan being followed: the trace, the plan,
+#: the machine model and every per-op table built from them. A cached plan is these
+#: references (the tables are rebuilt, never changed in place, when a plan is made).
+PLAN_STATE = (
+    "trace", "plan", "hardware", "prediction", "_hook", "_layout", "_start_away", "_external_tids",
+    "_n_ops", "_n_tensors", "_funcs", "_fast_funcs", "_out_sizes", "_flat_args", "_write_spots",
+    "_bind_in", "_bind_out", "_views_only", "_op_labels", "_actions", "_has_moves", "_next_op",
+    "_key_tid", "_born", "_trivial", "_optab", "_chains", "_chain_ops", "_drops", "_remakes",
+    "_levers_at", "_held_baseline", "_held_reserve", "_retimes_left", "_op_samples",
+    "_outside_samples", "_replay_samples",
+)
+#: ... and the figures the run reports about the plan it follows.
+PLAN_STATS = ("predicted_step_time_s", "predicted_step_time_s_at_plan", "ideal_step_time_s", "policy",
+              "plan_digest", "follow", "held_device_bytes", "plan_error")
+
+DEFAULT_MAX_PLANS = 8
+#: How many plans in a row made and never followed mean the shapes do not repeat.
+CHURN_WINDOW = 4
+
+
+def signature_of(args: tuple, kwargs: dict, training: bool) -> Hashable:
+    """The signature of a forward's arguments: each tensor's shape, dtype and device,
+    other leaves as they are where hashable (else their type).
+
+    Example:
+        >>> signature_of((torch.zeros(2, 3),), {}, True) == signature_of((torch.ones(2, 3),), {}, True)
+        True
+        >>> signature_of((torch.zeros(2, 3),), {}, True) == signature_of((torch.zeros(2, 4),), {}, True)
+        False
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts: list[Any] = [training, str(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append(("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+        else:
+            try:
+                hash(x)
+                parts.append(x)
+            except TypeError:
+                parts.append(type(x).__name__)
+    return tuple(parts)
+
+
+@dataclass
+class CachedPlan:
+    """One signature's plan: the executor's plan state (:data:`PLAN_STATE`) and stats."""
+
+    state: dict[str, Any]
+    stats: dict[str, Any]
+    followed: int = 0  # iterations that began with it after it was made
+
+
+@dataclass
+class PlanCache:
+    """Plans by signature, least recently used out past ``max_plans``.
+
+    Args:
+        max_plans: how many plans to keep (at least 1).
+
+    Raises:
+        ValueError: ``max_plans`` below 1.
+
+    Example:
+        >>> c = PlanCache(2)
+        >>> c.decide("a")
+        'profile'
+    """
+
+    max_plans: int = DEFAULT_MAX_PLANS
+    plans: OrderedDict[Hashable, CachedPlan] = field(default_factory=OrderedDict)
+    seen_once: OrderedDict[Hashable, None] = field(default_factory=OrderedDict)  # pager-run, not planned
+    made: deque = field(default_factory=deque)  # the last plans made (CachedPlan), newest last
+    evicted: int = 0
+    current: Hashable | None = None  # the signature whose plan the executor holds now
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_plans, int) or self.max_plans < 1:
+            raise ValueError(f"max_plans={self.max_plans!r}: expected an integer of at least 1")
+
+    @property
+    def churning(self) -> bool:
+        """The last plans made (:data:`CHURN_WINDOW`, at most ``max_plans``) were never followed."""
+        window = min(CHURN_WINDOW, self.max_plans)
+        return len(self.made) >= window and all(p.followed == 0 for p in self.made)
+
+    def decide(self, sig: Hashable) -> str:
+        """What an iteration of signature ``sig`` does: ``"follow"`` a cached plan,
+        ``"profile"`` (and plan), or ``"pager"`` (a first sighting while churning)."""
+        if sig in self.plans:
+            self.plans.move_to_end(sig)
+            return "follow"
+        if self.churning and sig not in self.seen_once:
+            self.seen_once[sig] = None
+            while len(self.seen_once) > 4 * self.max_plans:
+                self.seen_once.popitem(last=False)
+            return "pager"
+        self.seen_once.pop(sig, None)
+        return "profile"
+
+    def followed(self, sig: Hashable) -> None:
+        """An iteration of ``sig`` began with its cached plan."""
+        p = self.plans.get(sig)
+        if p is not None:
+            p.followed += 1
+
+    def store(self, sig: Hashable, plan: CachedPlan) -> None:
+        """Keep ``plan`` for ``sig`` (a new plan of a known signature replaces its old one)."""
+        self.plans.pop(sig, None)
+        self.plans[sig] = plan
+        self.made.append(plan)
+        while len(self.made) > min(CHURN_WINDOW, self.max_plans):
+            self.made.popleft()
+        while len(self.plans) > self.max_plans:
+            self.plans.popitem(last=False)
+            self.evicted += 1
+
+
+def snapshot(run: Any) -> CachedPlan:
+    """The plan ``run`` holds now."""
+    state = {k: getattr(run, k) for k in PLAN_STATE if hasattr(run, k)}
+    stats = {k: getattr(run.stats, k) for k in PLAN_STATS}
+    return CachedPlan(state, stats)
+
+
+def restore(run: Any, cached: CachedPlan) -> None:
+    """Make ``cached`` the plan ``run`` follows."""
+    for k, v in cached.state.items():
+        setattr(run, k, v)
+    for k, v in cached.stats.items():
+        setattr(run.stats, k, v)
+
+
+__all__ = ["CHURN_WINDOW", "DEFAULT_MAX_PLANS", "PLAN_STATE", "CachedPlan", "PlanCache", "restore", "signature_of", "snapshot"]
