@@ -182,6 +182,10 @@ class RunStats:
     busy_refusals: int = 0
     foreign_storages: int = 0
     compiled_ops_run_eager: int = 0
+    compiled_graphs: list[dict[str, Any]] = field(default_factory=list)
+    compiled_calls: int = 0
+    compiled_compiles: int = 0
+    compiled_offloads: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
