@@ -212,6 +212,10 @@ class RunStats:
     signatures_evicted: int = 0
     reactive_signature_steps: int = 0
     step_kinds: list[str] = field(default_factory=list)
+    compiled_graphs: list[dict[str, Any]] = field(default_factory=list)
+    compiled_calls: int = 0
+    compiled_compiles: int = 0
+    compiled_offloads: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
