@@ -54,8 +54,8 @@ SKYLINE_SHARE = 0.25
 # wall seconds of a CP-SAT attempt in a lane's first pass (doubling every pass)
 RESTART_SLICE = 0.5
 # skyline nodes per restart (restarts: SKYLINE_RESTARTS, rotating orders)
-SKYLINE_NODES = 4000
-SKYLINE_RESTARTS = 8
+SKYLINE_NODES = 2000
+SKYLINE_RESTARTS = 6
 
 
 @dataclass
@@ -108,7 +108,7 @@ def lanes_for(workers: int, seed: int) -> list[list[Member]]:
     hinted = Member("cpsat-hint", Variant("cpsat-hint", symmetry=True, hint=True, seed=seed))
     skyline_m = Member("skyline")
     if workers <= 1:
-        return [[skyline_m, sym, fixed, energy, plain, hinted]]
+        return [[skyline_m, fixed, sym, energy, plain, hinted]]
     return [[sym, energy, hinted], [skyline_m, fixed, plain]]
 
 
