@@ -143,7 +143,9 @@ def solve_best(
 
     # 2a. the decision ladder: beside the search in a thread (wall-clock mode), or
     # after it within a deterministic budget (node-limit mode)
-    shared = [best_cost * gcd]  # the search's best peak in alignment units, read by the ladder
+    # the search's best peak in alignment units and its placement (kept buffers, units),
+    # read by the ladder: it bisects below that peak and hints that placement
+    shared = [best_cost * gcd, best_off * gcd]
     lad = _LadderRun.start(problem, keep, best_off * gcd, deadline, seed, threaded=node_limit is None,
                            active=best_cost > lb and 0 < n <= LADDER_MAX_BUFFERS, known=shared)
 
@@ -192,7 +194,7 @@ def solve_best(
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
             best_off, best_cost, best_from = off, cost(off), "search"
-            shared[0] = best_cost * gcd
+            shared[:] = [best_cost * gcd, best_off * gcd]
             break
         if proven:
             floor_cap += 1
@@ -206,7 +208,7 @@ def solve_best(
             off, proven = probe(cap, limit)
             if off is not None:
                 best_off, best_cost, best_from = off, cost(off), "search"
-                shared[0] = best_cost * gcd
+                shared[:] = [best_cost * gcd, best_off * gcd]
                 hi = best_cost - 1
             else:
                 if proven:
@@ -308,21 +310,30 @@ class _LadderRun:
         if start is None:  # not on the reduced grid: start from greedy there instead
             start = best_fit(red.lower, red.upper, red.size, np.lexsort((np.arange(len(red)), red.lower, -red.size)))
         run = cls(red, start, deadline, seed, threaded, known)
+        run.keep = keep
         aside = np.setdiff1d(np.arange(len(problem)), red.keep)
         run.aside = int(problem.units[aside].max(initial=0))
         return run
 
     def _run(self, det_budget: float | None) -> None:
-        known = None
+        known = known_hint = None
         if self.known is not None and det_budget is None:  # beside the search only: it changes under us
             # a placement peaking at P units pushes down onto the reduced grid at P // gcd
             known = lambda: self.known[0] // self.red.gcd  # noqa: E731
+            known_hint = self._known_hint
         def found(peak: int) -> None:
             self.best_units = max(peak * self.red.gcd, self.aside)
 
         self.result = ladder(self.red, self.start, time_limit=max(0.0, self.deadline - time.perf_counter()),
                              seed=self.seed, workers=LADDER_WORKERS, det_budget=det_budget, stop=self.stop,
-                             known=known, progress=found)
+                             known=known, known_hint=known_hint, progress=found)
+
+    def _known_hint(self) -> np.ndarray | None:
+        """The search's placement on the reduced grid, or None when it is off it."""
+        units = self.known[1]
+        full = np.zeros(self.red.n, dtype=np.int64)
+        full[self.keep] = units * self.red.alignment
+        return self.red.restrict(full)
 
     def cost(self, gcd: int) -> float:
         """The ladder's best peak so far in the search's units (rounded up), or inf."""
