@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/pool_ladder.py                      # challenging A-K and own sets, 10 s each
     .venv/bin/python benchmarks/pool_ladder.py --sets own --time-limit 60
     .venv/bin/python benchmarks/pool_ladder.py --solver ladder      # the ladder alone, from greedy
+    .venv/bin/python benchmarks/pool_ladder.py --node-limit 1000000 --det-time 0.1 --time-limit 600   # deterministic
 
 Sets:
 
@@ -57,7 +58,7 @@ def challenging(cases: list[str] | None) -> list[pool.Problem]:
     return [pool.read_csv(f) for f in files if not cases or f.stem in cases]
 
 
-def run_ladder_alone(p: pool.Problem, limit: float, seed: int) -> pool.Solution:
+def run_ladder_alone(p: pool.Problem, limit: float, seed: int, det: float | None) -> pool.Solution:
     from tierflow.pool.greedy import best_fit
     from tierflow.pool.ladder import ladder
     from tierflow.pool.reduce import reduce
@@ -65,7 +66,7 @@ def run_ladder_alone(p: pool.Problem, limit: float, seed: int) -> pool.Solution:
     t0 = time.perf_counter()
     red = reduce(p)
     start = best_fit(red.lower, red.upper, red.size, np.lexsort((np.arange(len(red)), red.lower, -red.size)))
-    res = ladder(red, start, time_limit=limit, seed=seed)
+    res = ladder(red, start, time_limit=limit, seed=seed, det_budget=det)
     off = red.expand(res.offsets)
     peak = int((off + p.size).max())
     return pool.Solution(off, peak, p.lower_bound, "ladder", time.perf_counter() - t0,
@@ -108,6 +109,22 @@ def zoo_rows(limit: float, seed: int) -> bool:
     return ok
 
 
+def _geo(ratios: list[float]) -> float:
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 1.0
+
+
+def without_ladder(p: pool.Problem, args: argparse.Namespace) -> pool.Solution:
+    """best as it was before the ladder: the same call with the ladder switched off."""
+    from tierflow.pool import best
+
+    saved = best.LADDER_MAX_BUFFERS
+    try:
+        best.LADDER_MAX_BUFFERS = 0
+        return pool.solve(p, "best", time_limit=args.time_limit, seed=args.seed, node_limit=args.node_limit)
+    finally:
+        best.LADDER_MAX_BUFFERS = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sets", nargs="*", default=["challenging", "own"], choices=["challenging", "own", "zoo"])
@@ -116,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--solver", default="best", choices=["best", "ladder"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline", action="store_true",
+                    help="also run best without the ladder (as before it) on each case, just before, same limits")
+    ap.add_argument("--node-limit", type=int, default=None,
+                    help="best: deterministic mode, search nodes (with --det-time for the ladder after it)")
+    ap.add_argument("--det-time", type=float, default=None,
+                    help="CP-SAT deterministic time: best with --node-limit, or the ladder alone (one lane); "
+                    "the wall limit then only caps the run")
     args = ap.parse_args(argv)
     print(f"load average at start: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", file=sys.stderr)
     ok = True
@@ -125,27 +149,38 @@ def main(argv: list[str] | None = None) -> int:
             continue
         problems = challenging(args.cases) if group == "challenging" else [
             p for p in own_sets() if not args.cases or p.name in args.cases]
-        print(f"\n### {group} ({args.solver}, --time-limit {args.time_limit:g})\n")
-        print("| case | buffers | lower bound | peak | peak/LB | proven optimal | found by | wall s | CPU s | valid |")
-        print("|---|---:|---:|---:|---:|---|---|---:|---:|---|")
-        ratios, proven = [], 0
+        det = "" if args.det_time is None else f", --node-limit {args.node_limit}, --det-time {args.det_time:g}"
+        print(f"\n### {group} ({args.solver}, --time-limit {args.time_limit:g}{det})\n")
+        extra = " without ladder: peak/LB |" if args.baseline else ""
+        print(f"| case | buffers | lower bound |{extra} peak | peak/LB | proven optimal | found by | wall s | CPU s | valid |")
+        print("|---|---:|---:|" + ("---:|" if args.baseline else "") + "---:|---:|---|---|---:|---:|---|")
+        ratios, proven, base_ratios = [], 0, []
         for p in problems:
+            before = ""
+            if args.baseline:
+                b = without_ladder(p, args)
+                ok &= pool.validate(p, b.offsets, b.peak).valid
+                base_ratios.append(b.ratio)
+                before = f" {b.ratio:.4f} |"
             t0, c0 = time.perf_counter(), time.process_time()
             if args.solver == "ladder":
-                sol = run_ladder_alone(p, args.time_limit, args.seed)
+                sol = run_ladder_alone(p, args.time_limit, args.seed, args.det_time)
             else:
-                sol = pool.solve(p, "best", time_limit=args.time_limit, seed=args.seed)
+                sol = pool.solve(p, "best", time_limit=args.time_limit, seed=args.seed, node_limit=args.node_limit,
+                                 ladder_det_budget=args.det_time)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             report = pool.validate(p, sol.offsets, sol.peak)
             ok &= report.valid
             ratios.append(sol.ratio)
             proven += bool(sol.optimal)
-            print(f"| {p.name} | {len(p)} | {p.lower_bound:,} | {sol.peak:,} | {sol.ratio:.4f} | "
+            print(f"| {p.name} | {len(p)} | {p.lower_bound:,} |{before} {sol.peak:,} | {sol.ratio:.4f} | "
                   f"{'yes' if sol.optimal else 'no'} | {sol.meta.get('found_by', sol.solver)} | {wall:.1f} | {cpu:.1f} | "
                   f"{'yes' if report.valid else 'NO'} |", flush=True)
-        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 1.0
-        print(f"| geomean | | | | {geo:.4f} | {proven}/{len(ratios)} proven | | | | |")
-        print(f"| max | | | | {max(ratios, default=1.0):.4f} | | | | | |")
+        geo = _geo(ratios)
+        pad = f" {_geo(base_ratios):.4f} |" if args.baseline else ""
+        print(f"| geomean | | |{pad} | {geo:.4f} | {proven}/{len(ratios)} proven | | | | |")
+        pad = f" {max(base_ratios, default=1.0):.4f} |" if args.baseline else ""
+        print(f"| max | | |{pad} | {max(ratios, default=1.0):.4f} | | | | | |")
     print(f"load average at end: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     return 0 if ok else 1
 

@@ -143,7 +143,9 @@ def solve_best(
 
     # 2a. the decision ladder: beside the search in a thread (wall-clock mode), or
     # after it within a deterministic budget (node-limit mode)
-    shared = [best_cost * gcd]  # the search's best peak in alignment units, read by the ladder
+    # the search's best peak in alignment units and its placement (kept buffers, units),
+    # read by the ladder: it bisects below that peak and hints that placement
+    shared = [best_cost * gcd, best_off * gcd]
     lad = _LadderRun.start(problem, keep, best_off * gcd, deadline, seed, threaded=node_limit is None,
                            active=best_cost > lb and 0 < n <= LADDER_MAX_BUFFERS, known=shared)
 
@@ -185,23 +187,28 @@ def solve_best(
         return None, False
 
     floor_cap = lb  # proven: nothing below it is feasible
-    while (best_cost > floor_cap and nodes < budget and time.perf_counter() < deadline and not gave_up
-           and not lad.settled()):
+    # the ladder's best so far bounds the search's bisection too: a capacity at or above
+    # a peak either has found is not worth a probe
+    while (min(best_cost, lad.cost(gcd)) > floor_cap and nodes < budget and time.perf_counter() < deadline
+           and not gave_up and not lad.settled()):
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
             best_off, best_cost, best_from = off, cost(off), "search"
-            shared[0] = best_cost * gcd
+            shared[:] = [best_cost * gcd, best_off * gcd]
             break
         if proven:
             floor_cap += 1
             continue
-        lo, hi = floor_cap + 1, best_cost - 1
+        lo, hi = floor_cap + 1, min(best_cost, lad.cost(gcd)) - 1
         while lo <= hi and nodes < budget and time.perf_counter() < deadline and not gave_up and not lad.settled():
+            hi = min(hi, lad.cost(gcd) - 1)
+            if lo > hi:
+                break
             cap = (lo + hi) // 2
             off, proven = probe(cap, limit)
             if off is not None:
                 best_off, best_cost, best_from = off, cost(off), "search"
-                shared[0] = best_cost * gcd
+                shared[:] = [best_cost * gcd, best_off * gcd]
                 hi = best_cost - 1
             else:
                 if proven:
@@ -278,6 +285,9 @@ class _LadderRun:
                  threaded: bool, known: list[int] | None = None) -> None:
         self.red, self.start, self.deadline, self.seed = red, start, deadline, seed
         self.known = known
+        # the ladder's best peak so far in alignment units, with the set-aside buffers
+        self.best_units: float = math.inf
+        self.aside = 0
         self.active = red is not None
         self.stop = threading.Event()
         self.result: LadderResult | None = None
@@ -299,16 +309,35 @@ class _LadderRun:
         start = red.restrict(full)
         if start is None:  # not on the reduced grid: start from greedy there instead
             start = best_fit(red.lower, red.upper, red.size, np.lexsort((np.arange(len(red)), red.lower, -red.size)))
-        return cls(red, start, deadline, seed, threaded, known)
+        run = cls(red, start, deadline, seed, threaded, known)
+        run.keep = keep
+        aside = np.setdiff1d(np.arange(len(problem)), red.keep)
+        run.aside = int(problem.units[aside].max(initial=0))
+        return run
 
     def _run(self, det_budget: float | None) -> None:
-        known = None
+        known = known_hint = None
         if self.known is not None and det_budget is None:  # beside the search only: it changes under us
             # a placement peaking at P units pushes down onto the reduced grid at P // gcd
             known = lambda: self.known[0] // self.red.gcd  # noqa: E731
+            known_hint = self._known_hint
+        def found(peak: int) -> None:
+            self.best_units = max(peak * self.red.gcd, self.aside)
+
         self.result = ladder(self.red, self.start, time_limit=max(0.0, self.deadline - time.perf_counter()),
                              seed=self.seed, workers=LADDER_WORKERS, det_budget=det_budget, stop=self.stop,
-                             known=known)
+                             known=known, known_hint=known_hint, progress=found)
+
+    def _known_hint(self) -> np.ndarray | None:
+        """The search's placement on the reduced grid, or None when it is off it."""
+        units = self.known[1]
+        full = np.zeros(self.red.n, dtype=np.int64)
+        full[self.keep] = units * self.red.alignment
+        return self.red.restrict(full)
+
+    def cost(self, gcd: int) -> float:
+        """The ladder's best peak so far in the search's units (rounded up), or inf."""
+        return math.inf if math.isinf(self.best_units) else -(-int(self.best_units) // gcd)
 
     def settled(self) -> bool:
         """The ladder (in its thread) has finished with a proven optimum."""
