@@ -291,6 +291,15 @@ def test_each_bucket_is_planned_once_and_followed_from_then_on():
     assert s.peak_device_bytes <= s.budget_bytes
 
 
+def test_each_bucket_keeps_its_plan_followed_at_hooks():
+    sizes = [4, 8, 12] * 3
+    plain, ours = _shapes_loop(False, sizes), _shapes_loop(True, sizes, follow="hooks")
+    assert _same_training(ours, plain)
+    s = ours["stats"]
+    assert s.follow == "hooks", s.follow
+    assert s.step_kinds == ["warmup", "profiled", "profiled", "profiled"] + ["planned"] * 5
+
+
 def test_more_buckets_than_max_plans_evicts_the_least_recently_used():
     sizes = [4, 8, 12] * 3
     plain, ours = _shapes_loop(False, sizes), _shapes_loop(True, sizes, max_plans=2)
