@@ -496,6 +496,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             return
         if sig == cache.current:
             return
+        if self._sync is not None:
+            # NOTE: ranks plan together (runtime/distributed.py): one rank following a
+            # cached plan while another profiles would leave the other waiting in the
+            # planning collectives. Under several ranks a new signature is profiled again.
+            cache.plans.clear()
+            cache.current = sig
+            self._need_profile, self._plan_why = True, "new signature"
+            return
         if self._need_profile:  # the current signature's plan departed: not to be followed again
             cache.plans.pop(cache.current, None)
         elif cache.current in cache.plans:  # (its retimed trace and figures, as they are now)
