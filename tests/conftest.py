@@ -35,3 +35,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _fixed_durations(trace):
+    """``trace`` with every op's time from a fixed cost model (2 us plus the bytes it
+    reads and writes at 4 GB/s) instead of the profiled one."""
+    from dataclasses import replace
+
+    sizes = trace.sizes
+    ops = tuple(replace(o, duration_s=2e-6 + float(sizes[list(o.tensors)].sum()) / 4e9) for o in trace.ops)
+    return type(trace)(ops, trace.tensors, name=trace.name, meta=dict(trace.meta, timing="fixed (tests)"))
+
+
+@pytest.fixture
+def fixed_op_times(monkeypatch):
+    """The runtime's profiled iteration gets fixed op times, so that the plan it makes
+    (and every verdict on it) does not depend on how loaded the machine was. Pair it with
+    a given ``hardware=`` (a preset: the CPU default measures the copy bandwidth)."""
+    from tierflow.runtime.profiling import Profiling
+
+    real = Profiling._build_trace
+    monkeypatch.setattr(Profiling, "_build_trace", lambda self: _fixed_durations(real(self)))

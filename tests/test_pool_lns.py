@@ -63,6 +63,7 @@ def test_best_uses_the_window_step_when_nothing_else_reaches_the_bound(monkeypat
     # best frees windows only on large problems (or where the search gave up): lower
     # the threshold so this five-buffer one takes that path
     monkeypatch.setattr(best, "LNS_MIN_BUFFERS", 0)
+    monkeypatch.setattr(best, "LADDER_MAX_BUFFERS", 0)  # the ladder would settle it first
     p = WINDOW
     s = pool.solve(p, "best", time_limit=600, node_limit=0)
     assert pool.validate(p, s.offsets, s.peak).valid

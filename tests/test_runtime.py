@@ -9,7 +9,6 @@ import os
 import stat
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -81,15 +80,22 @@ def test_roundtrip_parity_every_kind_through_host_and_ssd(model, tmp_path):
     assert list(tmp_path.iterdir()) == []  # the SSD file and its directory are gone
 
 
+# Checkpointing drops activations only: where a model's peak is its state (vit-tiny's and
+# resnet-tiny's is at the end of backward, parameters, gradients and Adam moments all
+# live), no budget under the peak can be planned by it; on gpt-tiny activations rule.
+PLANNABLE_ON = {"checkpoint": "gpt-tiny", "selective": "gpt-tiny"}
+
+
 @pytest.mark.parametrize("policy", policy_names())
-def test_every_policy_parity_and_budget(policy, tmp_path):
-    """Each policy at a budget it can plan for (the tightest of 60/80/95% of the peak),
-    on a model picked round-robin: 20 steps bitwise equal, peak within the budget."""
-    model = MODELS[policy_names().index(policy) % len(MODELS)]
+def test_every_policy_parity_and_budget(policy, tmp_path, fixed_op_times):
+    """Each policy plans at a budget (the tightest of 60/80/95% of the peak), on a model
+    picked round-robin: 20 steps bitwise equal, peak within the budget. (Fixed op times
+    and machine: the plan, and so the verdict, is the same on a loaded machine.)"""
+    model = PLANNABLE_ON.get(policy, MODELS[policy_names().index(policy) % len(MODELS)])
     tried = {}
     for budget in ("60%", "80%", "95%"):
         res = train(model, budget=budget, steps=20, policy=policy, ssd_dir=str(tmp_path), check_parity=True,
-                    policy_options=OPTIONS.get(policy))
+                    policy_options=OPTIONS.get(policy), hardware="h100-80g-pcie5-nvme")
         s = res.stats
         # whatever the policy made of it, training is exact and within the budget
         assert res.parity, res.parity_detail
@@ -97,11 +103,9 @@ def test_every_policy_parity_and_budget(policy, tmp_path):
         tried[budget] = s.plan_error
         if s.plan_error is None:  # the policy planned (else the runtime fell back to its pager)
             break
-    if s.plan_error is None:
-        assert s.policy == policy
-    else:  # the policy's problem, not the runtime's: it trained exactly on its pager; say so
-        assert s.policy == f"lru (fallback from {policy})"
-        warnings.warn(f"policy {policy} planned for none of the budgets: {tried}", stacklevel=1)
+    # the policy itself is under test, not the runtime's fallback pager
+    assert s.plan_error is None, f"policy {policy} planned on {model} at none of the budgets: {tried}"
+    assert s.policy == policy
     assert s.planned_steps >= 17 and s.stale_plans == 0
     assert s.predicted_step_time_s is not None and s.predicted_step_time_s > 0
     if policy != "ideal":  # the budget made something move, or be dropped and recomputed

@@ -38,7 +38,8 @@ def test_cpu_mode_prediction_charges_every_op_the_measured_cost():
             step()
     hw, sim = run.hardware, run.prediction
     assert hw is not None and sim is not None and not hw.async_launch and hw.host_copies
-    assert 0 < hw.op_issue_s < 1e-3 and 0 < hw.recompute_issue_s < 1e-2
+    # (sanity bounds only, 100x what an unloaded machine measures)
+    assert 0 < hw.op_issue_s < 1e-2 and 0 < hw.recompute_issue_s < 1e-1
     # nothing is planned without a budget: the step is its ops, each with its cost
     assert not run.plan.moves and not run.plan.recomputes and not run.plan.host_steps
     assert math.isclose(sim.host_wait_s, run.trace.n_ops * hw.op_issue_s, rel_tol=1e-9)

@@ -9,7 +9,8 @@ validator apart:
 * :class:`Problem` / :class:`Buffer`, :func:`read_csv` / :func:`write_csv` (MiniMalloc
   CSV), :func:`from_trace` (a tier's stays under a plan), :func:`lower_bound`;
 * :func:`solve` with ``solver="greedy"`` (greedy by size, best fit), ``"best"``
-  (anytime search, never worse than greedy) or ``"exact"`` (CP-SAT, or a MILP through
+  (anytime search beside a ladder of CP-SAT decisions, never worse than greedy) or
+  ``"exact"`` (CP-SAT, or a MILP through
   HiGHS without OR-Tools, for small problems);
 * :func:`validate` / :func:`check`.
 
@@ -39,6 +40,7 @@ def solve(
     progress: Callable[[float, int], None] | None = None,
     seed: int = 0,
     node_limit: int | None = None,
+    ladder_det_budget: float | None = None,
 ) -> Solution:
     """Offsets for every buffer of ``problem``.
 
@@ -50,6 +52,8 @@ def solve(
         seed: for ``best``, the seed of its randomised restarts.
         node_limit: for ``best``, placements its search may try in all; with it and a
             time limit that does not bind, the result is deterministic.
+        ladder_det_budget: for ``best`` with a node limit, CP-SAT deterministic time
+            for its decision ladder (default none).
 
     Raises:
         PoolError: an unknown solver, or ``exact`` on a problem too large for it.
@@ -61,7 +65,8 @@ def solve(
     if solver == "best":
         from .best import solve_best
 
-        return solve_best(problem, time_limit=time_limit, progress=progress, seed=seed, node_limit=node_limit)
+        return solve_best(problem, time_limit=time_limit, progress=progress, seed=seed, node_limit=node_limit,
+                          ladder_det_budget=ladder_det_budget)
     if solver == "exact":
         from .exact import solve_exact
 

@@ -26,7 +26,8 @@ try:
     import numba
 
     HAVE_NUMBA = True
-    jit = numba.njit(cache=True)
+    # nogil: the search may run in one thread while CP-SAT (the ladder) runs in another
+    jit = numba.njit(cache=True, nogil=True)
 except ImportError:
     HAVE_NUMBA = False
 

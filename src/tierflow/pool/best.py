@@ -38,6 +38,7 @@ Everything the search decides depends on node counts, never on the clock: with a
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -45,7 +46,9 @@ import numpy as np
 
 from . import lns, repair, search
 from .greedy import best_fit, size_order
+from .ladder import LadderResult, ladder
 from .problem import Problem, Solution, lower_bound, peak_of
+from .reduce import Reduced, reduce
 
 Progress = Callable[[float, int], None]  # (fraction of the time limit used, best peak in bytes)
 
@@ -63,6 +66,16 @@ REPAIR_MOVES = 8
 LNS_MIN_BUFFERS = 1000
 # placements between two looks at the clock
 STEP = 1 << 13
+# the decision ladder (module ladder, CP-SAT) runs beside the search on problems of at
+# most this many buffers (its model grows with the overlapping pairs)
+LADDER_MAX_BUFFERS = 2000
+# lanes of the ladder beside the search (each a thread; CP-SAT and the compiled search
+# release the GIL)
+LADDER_WORKERS = 1
+# deterministic mode (a node limit): CP-SAT deterministic time the ladder gets after
+# the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
+# seconds on the challenging set): none, so a node limit alone keeps its old meaning
+LADDER_DET_BUDGET = 0.0
 
 
 def solve_best(
@@ -71,6 +84,7 @@ def solve_best(
     progress: Progress | None = None,
     seed: int = 0,
     node_limit: int | None = None,
+    ladder_det_budget: float | None = None,
 ) -> Solution:
     """Near-optimal offsets within ``time_limit`` seconds or ``node_limit`` nodes.
 
@@ -82,7 +96,10 @@ def solve_best(
             peak so far.
         seed: seed of the randomised preorders tried after the static ones.
         node_limit: placements the search may try in all; with it (and a time limit
-            that does not bind) the result is deterministic.
+            that does not bind) the result is deterministic: the ladder then runs after
+            the search, only when ``ladder_det_budget`` is given.
+        ladder_det_budget: with a node limit, CP-SAT deterministic time for the ladder
+            (default :data:`LADDER_DET_BUDGET`, none: 0.01 is about a second here).
     """
     t0 = time.perf_counter()
     deadline = t0 + max(0.0, time_limit)
@@ -124,6 +141,12 @@ def solve_best(
             best_off, best_cost, best_from = off, c, f"lowest-first/{name}"
         report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
 
+    # 2a. the decision ladder: beside the search in a thread (wall-clock mode), or
+    # after it within a deterministic budget (node-limit mode)
+    shared = [best_cost * gcd]  # the search's best peak in alignment units, read by the ladder
+    lad = _LadderRun.start(problem, keep, best_off * gcd, deadline, seed, threaded=node_limit is None,
+                           active=best_cost > lb and 0 < n <= LADDER_MAX_BUFFERS, known=shared)
+
     # 2. capacity search in rounds of doubling node budgets
     rng = np.random.default_rng(seed)
     keys = {"T": sec.buffer_total, "W": upper - lower, "A": area}
@@ -162,20 +185,23 @@ def solve_best(
         return None, False
 
     floor_cap = lb  # proven: nothing below it is feasible
-    while best_cost > floor_cap and nodes < budget and time.perf_counter() < deadline and not gave_up:
+    while (best_cost > floor_cap and nodes < budget and time.perf_counter() < deadline and not gave_up
+           and not lad.settled()):
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
             best_off, best_cost, best_from = off, cost(off), "search"
+            shared[0] = best_cost * gcd
             break
         if proven:
             floor_cap += 1
             continue
         lo, hi = floor_cap + 1, best_cost - 1
-        while lo <= hi and nodes < budget and time.perf_counter() < deadline and not gave_up:
+        while lo <= hi and nodes < budget and time.perf_counter() < deadline and not gave_up and not lad.settled():
             cap = (lo + hi) // 2
             off, proven = probe(cap, limit)
             if off is not None:
                 best_off, best_cost, best_from = off, cost(off), "search"
+                shared[0] = best_cost * gcd
                 hi = best_cost - 1
             else:
                 if proven:
@@ -184,6 +210,21 @@ def solve_best(
             report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
         limit *= 2
         rounds += 1
+
+    # the ladder's answer: waited for (or run now, in deterministic mode), then kept
+    # when it is lower; its proof raises the floor
+    if lad.active:
+        res = lad.finish(stop=best_cost <= floor_cap, det_budget=LADDER_DET_BUDGET if ladder_det_budget is None
+                         else ladder_det_budget)
+        meta["ladder"] = lad.facts(problem)
+        if res is not None:
+            full = lad.red.expand(res.offsets)[keep] // (gcd * problem.alignment)
+            # the ladder's grid (the gcd of fewer sizes) is a multiple of the search's
+            if lad.red.scale % (gcd * problem.alignment) == 0 and cost(full) < best_cost:
+                best_off, best_cost, best_from = full, cost(full), "ladder"
+            # proven: no placement peaks below res.floor * scale bytes (in units when
+            # the alignment is 1), so no cost below its ceiling in the search's units
+            floor_cap = max(floor_cap, -(-res.floor * lad.red.scale // (gcd * problem.alignment)))
 
     # 3. local repair of the incumbent (module repair): on large problems the search
     # gives up early and this is what time is left for; it never raises the peak
@@ -227,6 +268,71 @@ def solve_best(
         optimal=peak == problem.lower_bound or (best_cost <= floor_cap and problem.alignment == 1),
         meta=meta,
     )
+
+
+class _LadderRun:
+    """The ladder of :mod:`.ladder` on the reduced problem, in a thread beside the
+    search or run later, and its answer in the search's terms."""
+
+    def __init__(self, red: Reduced | None, start: np.ndarray | None, deadline: float, seed: int,
+                 threaded: bool, known: list[int] | None = None) -> None:
+        self.red, self.start, self.deadline, self.seed = red, start, deadline, seed
+        self.known = known
+        self.active = red is not None
+        self.stop = threading.Event()
+        self.result: LadderResult | None = None
+        self.thread: threading.Thread | None = None
+        if self.active and threaded:
+            self.thread = threading.Thread(target=self._run, kwargs={"det_budget": None}, daemon=True)
+            self.thread.start()
+
+    @classmethod
+    def start(cls, problem: Problem, keep: np.ndarray, start_units: np.ndarray, deadline: float, seed: int,
+              threaded: bool, active: bool, known: list[int] | None = None) -> _LadderRun:
+        """``start_units``: the incumbent of the kept buffers in alignment units;
+        ``known[0]``: the search's best peak in alignment units as it improves."""
+        if not active or not lns.available():
+            return cls(None, None, deadline, seed, threaded)
+        red = reduce(problem)
+        full = np.zeros(len(problem), dtype=np.int64)
+        full[keep] = start_units * problem.alignment
+        start = red.restrict(full)
+        if start is None:  # not on the reduced grid: start from greedy there instead
+            start = best_fit(red.lower, red.upper, red.size, np.lexsort((np.arange(len(red)), red.lower, -red.size)))
+        return cls(red, start, deadline, seed, threaded, known)
+
+    def _run(self, det_budget: float | None) -> None:
+        known = None
+        if self.known is not None and det_budget is None:  # beside the search only: it changes under us
+            # a placement peaking at P units pushes down onto the reduced grid at P // gcd
+            known = lambda: self.known[0] // self.red.gcd  # noqa: E731
+        self.result = ladder(self.red, self.start, time_limit=max(0.0, self.deadline - time.perf_counter()),
+                             seed=self.seed, workers=LADDER_WORKERS, det_budget=det_budget, stop=self.stop,
+                             known=known)
+
+    def settled(self) -> bool:
+        """The ladder (in its thread) has finished with a proven optimum."""
+        return self.result is not None and self.result.optimal
+
+    def finish(self, stop: bool, det_budget: float) -> LadderResult | None:
+        """Its result: stopped first when ``stop`` (the search met its floor), joined
+        in threaded mode, run now with ``det_budget`` otherwise."""
+        if self.thread is not None:
+            if stop:
+                self.stop.set()
+            self.thread.join()
+        elif not stop and det_budget > 0:
+            self._run(det_budget)
+        return self.result
+
+    def facts(self, problem: Problem) -> dict:
+        r = self.result
+        if r is None:
+            return {"ran": False}
+        scale = self.red.scale
+        return {"ran": True, "peak": r.peak * scale, "floor": r.floor * scale, "optimal": r.optimal,
+                "attempts": [{"capacity": a.cap * scale, "by": a.variant, "status": a.status,
+                              "seconds": round(a.seconds, 3)} for a in r.attempts]}
 
 
 def _noisy_order(keys: dict[str, np.ndarray], h: str, rng: np.random.Generator, n: int) -> np.ndarray:

@@ -63,7 +63,7 @@ from torch.nn import Parameter
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import PolicyError, TierflowError
+from ..errors import PolicyError
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
@@ -71,6 +71,7 @@ from ..units import parse_bytes
 from . import tiers
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
+from .homecoming import bring_home
 from .host_step import HostSteps
 from .kernel_times import KernelTimer, mark
 from .moves import Moves
@@ -78,7 +79,7 @@ from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
 from .outside import CheckpointGuard, OutsideWork
 from .profiling import Profiling
-from .recompute import DROPPED, Recomputing, rng_states
+from .recompute import Recomputing, rng_states
 from .retime import Retiming
 from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
 from .stats import RunStats
@@ -426,13 +427,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._host_close()  # [host steps] updates finished, state back where it was
             if self._chunker is not None:
                 self._chunker.uninstall()
-            # bring everything home: the model and optimizer are whole again after the block
-            for e in list(self._entries.values()):
-                if e.state != RESIDENT and e.state is not DROPPED:  # (a dropped activation dies with its graph)
-                    try:
-                        self._fetch(e)
-                    except TierflowError as err:
-                        errors.append(str(err))
+            # the model and optimizer whole again after the block: on the device where
+            # they fit, else on the host (runtime/homecoming.py)
+            self.stats.state_after_block = bring_home(self, errors)
             self._drain_writes(raise_errors=False)
             self._copier.drain()
             self._reap()

@@ -193,6 +193,9 @@ class RunStats:
     host_step_bytes: int = 0
     blocking_waits: dict[str, int] = field(default_factory=dict)
     host_pool_peak: int = 0
+    # where the model's and optimizer's tensors were left when the block ended: "device",
+    # or "host" where what was away did not fit the device's free memory (runtime/homecoming.py)
+    state_after_block: str = "device"
     rank: int = 0
     world_size: int = 1
     plan_digest: str | None = None
@@ -209,6 +212,10 @@ class RunStats:
     signatures_evicted: int = 0
     reactive_signature_steps: int = 0
     step_kinds: list[str] = field(default_factory=list)
+    compiled_graphs: list[dict[str, Any]] = field(default_factory=list)
+    compiled_calls: int = 0
+    compiled_compiles: int = 0
+    compiled_offloads: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)

@@ -1,0 +1,365 @@
+"""The compiled front-end: :func:`compile`, ``torch.compile`` with tierflow's plan inside
+the compiled graphs.
+
+``tierflow.compiled.compile(model, budget="50%")`` returns a :class:`CompiledOffload`
+whose ``model`` is ``torch.compile(model, backend=...)``: the user's loop calls it as it
+would call any compiled model. Each graph Dynamo captures is compiled by the chosen
+backend (``"inductor"`` or ``"aot_eager"``) with :class:`~tierflow.compiled.hook.PlanPartitioner`
+as its partitioner: the plan is made from the graph's own saved set when the graph is
+compiled, so a compiled call under tierflow is one compiled call (no eager fallback,
+no second pass).
+
+The budget: a share (``"50%"``, ``0.5``) is a share of each graph's own peak, as its
+trace predicts it (:mod:`tierflow.compiled.graph_trace`: bytes above the step's start,
+parameters and inputs left out), so a model split by graph breaks gets the same share
+of each graph's peak; bytes (an int, ``"2GiB"``) are split between graphs in proportion
+to their predicted peaks, in the order they compile.
+
+When this torch lacks the partitioner hook, :func:`compile` falls back to the eager
+runtime (:func:`tierflow.offload`) and says so once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..runtime.backend import backend_for
+from ..runtime.stats import RunStats
+from .graph_trace import GraphFacts
+from .hook import PartitionRecord, PlanPartitioner, hook_support
+from .plan import GraphPlan, plan_graph
+
+BACKENDS = ("inductor", "aot_eager")
+SLOTS_PER_GRAPH = 1 << 20
+_warned_fallback = False
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A budget: a share of each graph's predicted peak, or bytes for all graphs."""
+
+    share: float | None = None
+    bytes: int | None = None
+
+    @staticmethod
+    def parse(budget: str | int | float | None) -> Budget:
+        """``"50%"``, ``0.5`` (share), ``2_000_000`` or ``"2GiB"`` (bytes), ``None``.
+
+        Raises:
+            ValueError: a share outside (0, 1], bytes not positive, or an unreadable string.
+        """
+        if budget is None:
+            return Budget()
+        if isinstance(budget, str):
+            text = budget.strip()
+            if text.endswith("%"):
+                try:
+                    share = float(text[:-1]) / 100.0
+                except ValueError:
+                    raise ValueError(f"tierflow compiled: budget {budget!r} is not a percentage") from None
+                if not 0.0 < share <= 1.0:
+                    raise ValueError(f"tierflow compiled: budget {budget!r} must be a share in (0%, 100%]")
+                return Budget(share=share)
+            from ..units import parse_bytes
+
+            try:
+                return Budget.parse(int(parse_bytes(text)))
+            except ValueError as e:
+                raise ValueError(f"tierflow compiled: budget {budget!r} is not a size or share ({e})") from None
+        if isinstance(budget, float) and budget <= 1.0:
+            if not 0.0 < budget <= 1.0:
+                raise ValueError(f"tierflow compiled: budget share {budget} must be in (0, 1]")
+            return Budget(share=budget)
+        if int(budget) <= 0:
+            raise ValueError(f"tierflow compiled: budget {budget} bytes must be positive")
+        return Budget(bytes=int(budget))
+
+    def key(self) -> str:
+        return f"share={self.share}" if self.share is not None else f"bytes={self.bytes}"
+
+
+@dataclass
+class GraphReport:
+    """One compiled graph as its plan left it (what ``run.stats.compiled_graphs`` lists).
+
+    Attributes:
+        index: order of compilation (graph breaks and recompiles each add one).
+        saved: saved tensors torch's partitioner chose; saved_bytes: their bytes.
+        kept, offloaded, recomputed: of those, how many the plan kept on the device,
+            moves to the host tier and back, or recomputes (the plan recomputes only
+            what torch's own partitioner chose to).
+        offloaded_bytes: bytes of the offloaded ones.
+        predicted_peak_bytes, predicted_peak_bytes_planned: the graph's trace's peak
+            without and with the plan; target_bytes: what the plan aimed at.
+        unreachable: the target could not be met by offloading saved tensors.
+        calls: compiled forward calls of this graph.
+    """
+
+    index: int
+    saved: int = 0
+    saved_bytes: int = 0
+    kept: int = 0
+    offloaded: int = 0
+    recomputed: int = 0
+    offloaded_bytes: int = 0
+    predicted_peak_bytes: int = 0
+    predicted_peak_bytes_planned: int = 0
+    target_bytes: int | None = None
+    unreachable: bool = False
+    calls: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Counted:
+    """A compiled graph's callable, counting its calls (forward only: backward runs the
+    graph's compiled backward, not this)."""
+
+    fn: Callable[..., Any]
+    report: GraphReport
+    # Host buffers to make before the first call: the partitioner runs under a fake
+    # tensor mode, where an allocation would make a fake buffer.
+    reserve: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    def __call__(self, *args: Any) -> Any:
+        while self.reserve:
+            self.reserve.pop()()
+        self.report.calls += 1
+        return self.fn(*args)
+
+
+@dataclass
+class CallCounter:
+    """A ``torch.compile`` backend that compiles as ``backend`` does and counts compiled
+    graphs and their calls: the same count for a model without tierflow.
+
+    Example:
+        >>> counter = CallCounter("aot_eager")
+        >>> fn = torch.compile(lambda x: x + 1, backend=counter)
+        >>> _ = fn(torch.ones(2)); counter.calls
+        1
+    """
+
+    backend: str = "inductor"
+    graphs: int = 0
+    calls: int = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.graphs += 1
+        fn = _compile_graph(gm, example_inputs, self.backend, None)
+
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return fn(*args)
+
+        return run
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backend: str,
+                   partitioner: PlanPartitioner | None) -> Callable[..., Any]:
+    if backend == "inductor":
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        if partitioner is None:
+            return compile_fx(gm, example_inputs)
+        with inductor_config.patch(custom_partitioner_fn=partitioner):
+            return compile_fx(gm, example_inputs)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    if partitioner is None:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        return aot_autograd(fw_compiler=boxed_nop, partition_fn=min_cut_rematerialization_partition)(
+            gm, example_inputs)
+    return aot_autograd(fw_compiler=boxed_nop, partition_fn=partitioner)(gm, example_inputs)
+
+
+class CompiledOffload:
+    """A compiled model whose graphs carry tierflow's plan (see the module docstring).
+
+    Attributes:
+        model: the compiled model to call in the training loop.
+        backend: the device's :class:`~tierflow.runtime.backend.Backend` moving the
+            bytes (one per device and process; ``stats`` counts from this object's start).
+        graphs: one :class:`GraphReport` per compiled graph.
+        compiles: graphs compiled (Dynamo's recompiles and graph breaks each add one).
+    """
+
+    def __init__(self, model: torch.nn.Module, budget: Budget, backend: str, device: torch.device,
+                 compile_kwargs: dict[str, Any]) -> None:
+        self.budget = budget
+        self.backend_name = backend
+        self.backend = backend_for(device)
+        self._moved_at_start = self.backend.snapshot()
+        self.graphs: list[GraphReport] = []
+        self.records: list[PartitionRecord] = []
+        self.compiles = 0
+        self._bytes_left = budget.bytes
+        self.model = torch.compile(model, backend=self._compile, **compile_kwargs)
+
+    # -- the torch.compile backend ----------------------------------------------------
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        report = GraphReport(index=len(self.graphs))
+        self.graphs.append(report)
+        self.compiles += 1
+        partitioner = PlanPartitioner(
+            decide=lambda facts: self._decide(facts, report),
+            key=f"{self.budget.key()}:graph={report.index}",
+            on_partition=lambda rec: self._partitioned(rec, report),
+            slot_base=report.index * SLOTS_PER_GRAPH,
+        )
+        self._pending: list[Callable[[], None]] = []
+        fn = _compile_graph(gm, example_inputs, self.backend_name, partitioner)
+        return _Counted(fn, report, self._pending)
+
+    def _target(self, facts: GraphFacts) -> int | None:
+        if self.budget.share is not None:
+            return int(facts.peak_bytes * self.budget.share)
+        if self.budget.bytes is not None:
+            return int(min(self.budget.bytes, self._bytes_left if self._bytes_left is not None else 0))
+        return None
+
+    def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
+        plan = plan_graph(facts, self._target(facts))
+        if self.budget.bytes is not None and self._bytes_left is not None:
+            self._bytes_left = max(0, self._bytes_left - plan.predicted_peak_bytes)
+        return plan
+
+    def _partitioned(self, rec: PartitionRecord, report: GraphReport) -> None:
+        self.records.append(rec)
+        facts, plan = rec.facts, rec.plan
+        sizes = {s.name: s.bytes for s in facts.saved}
+        report.saved = len(facts.saved)
+        report.saved_bytes = facts.saved_bytes
+        report.offloaded = len(rec.offloaded)
+        report.offloaded_bytes = sum(sizes[n] for n in rec.offloaded)
+        report.kept = report.saved - report.offloaded
+        report.predicted_peak_bytes = facts.peak_bytes
+        report.predicted_peak_bytes_planned = plan.predicted_peak_bytes
+        report.target_bytes = plan.target_bytes
+        report.unreachable = plan.unreachable
+        for name in rec.offloaded:
+            slot, nbytes = rec.slots[name], sizes[name]
+            self._pending.append(lambda slot=slot, nbytes=nbytes: self.backend.reserve(slot, nbytes))
+
+    def __enter__(self) -> CompiledOffload:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        # A forward whose backward never ran leaves tickets on the host tier.
+        self.backend.drop_outstanding()
+
+    # -- what the run did -------------------------------------------------------------
+    @property
+    def calls(self) -> int:
+        """Compiled forward calls over all graphs."""
+        return sum(g.calls for g in self.graphs)
+
+    @property
+    def stats(self) -> RunStats:
+        """The run's :class:`~tierflow.runtime.stats.RunStats`, with ``compiled_graphs``
+        (one :meth:`GraphReport.as_dict` per graph), ``compiled_calls``,
+        ``compiled_compiles`` and what the back-end moved."""
+        now, start = self.backend.stats, self._moved_at_start
+        be = dataclasses.replace(now, offloads=now.offloads - start.offloads,
+                                 reloads=now.reloads - start.reloads,
+                                 offloaded_bytes=now.offloaded_bytes - start.offloaded_bytes)
+        st = RunStats()
+        st.budget_bytes = float(self.budget.bytes) if self.budget.bytes is not None else float("inf")
+        st.moved_bytes = {"host": 2 * be.offloaded_bytes, "ssd": 0}
+        st.transfers = {"device->host": be.offloaded_bytes, "host->device": be.offloaded_bytes} if be.offloads else {}
+        st.host_pool_bytes = be.host_bytes
+        st.compiled_graphs = [g.as_dict() for g in self.graphs]
+        st.compiled_calls = self.calls
+        st.compiled_compiles = self.compiles
+        st.compiled_offloads = be.offloads
+        return st
+
+
+class EagerFallback:
+    """What :func:`compile` gives on a torch without the partitioner hook: the model
+    uncompiled (``model``), trained under the eager runtime while the block is open."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 budget: str | int | float | None) -> None:
+        import tierflow
+
+        self.model = model
+        self.run = tierflow.offload(model, optimizer, budget=budget)
+
+    def __enter__(self) -> EagerFallback:
+        self.run.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.run.__exit__(*exc)
+
+    @property
+    def stats(self) -> RunStats:
+        return self.run.stats
+
+
+def compile(  # noqa: A001 - mirrors torch.compile on purpose
+    model: torch.nn.Module,
+    budget: str | int | float | None = "50%",
+    *,
+    backend: str = "inductor",
+    device: str | torch.device | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    **compile_kwargs: Any,
+) -> CompiledOffload | EagerFallback:
+    """``torch.compile(model)`` whose compiled graphs keep or offload each saved activation
+    by tierflow's plan.
+
+    Args:
+        model: the module to compile (trained by the caller's own loop).
+        budget: a share of each graph's predicted peak (``"50%"``, ``0.5``) or bytes for
+            all graphs (``2**30``, ``"1GiB"``); ``None``: plan nothing (the graphs are
+            compiled as torch would, through the same hook).
+        backend: ``"inductor"`` or ``"aot_eager"``.
+        device: where the model runs (default: its first parameter's device).
+        optimizer: used only by the eager fallback (a torch without the hook).
+        compile_kwargs: passed to ``torch.compile`` (``dynamic=``, ``fullgraph=``, ...).
+
+    Returns:
+        A :class:`CompiledOffload` (use it as a context manager around the loop, and
+        call its ``model``); on a torch without the partitioner hook, an
+        :class:`EagerFallback` used the same way, which runs the eager runtime (said
+        once, as a warning).
+
+    Raises:
+        ValueError: an unknown backend or a malformed budget.
+
+    Example:
+        >>> with tierflow.compiled.compile(model, budget="50%") as run:  # doctest: +SKIP
+        ...     for x, y in data:
+        ...         loss_fn(run.model(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"tierflow compiled: backend {backend!r} is not one of {BACKENDS}")
+    parsed = Budget.parse(budget)
+    missing = hook_support()
+    if missing is not None:
+        global _warned_fallback
+        if not _warned_fallback:
+            warnings.warn(f"tierflow: {missing}; running the eager runtime instead of compiled graphs",
+                          RuntimeWarning, stacklevel=2)
+            _warned_fallback = True
+        return EagerFallback(model, optimizer, budget)
+    if device is None:
+        p = next(iter(model.parameters()), None)
+        device = p.device if p is not None else torch.device("cpu")
+    return CompiledOffload(model, parsed, backend, torch.device(device), compile_kwargs)
+
+
+__all__ = ["BACKENDS", "Budget", "CallCounter", "CompiledOffload", "EagerFallback", "GraphReport", "compile"]

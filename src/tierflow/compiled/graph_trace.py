@@ -1,0 +1,284 @@
+"""A tierflow :class:`~tierflow.trace.Trace` made from a compiled graph's forward and
+backward halves (as torch's partitioner split them), and the saved set it implies.
+
+The trace is the planner's own format: ops in execution order (the forward graph's
+``call_function`` nodes, then the backward graph's), tensors with their bytes (symbolic
+sizes read through their hints, never specialized), kinds (``parameter``/``input`` for
+the forward graph's placeholders, ``activation`` for what the backward graph reads from
+the forward, ``gradient`` for the backward's outputs, ``temporary`` otherwise). A view
+shares its base's tensor id, so bytes are counted once per storage.
+
+Op times are a roofline estimate (:func:`estimate_op_s`): matrix products at the
+machine's FLOP rate, everything else at its memory bandwidth. They rank recompute
+against copies; the bytes are what the budget is checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import fx
+
+from ..trace import Op, TensorInfo, Trace
+
+# A CPU's order of magnitude: the choice between copying and keeping does not hang on
+# these, only the simulated step time does.
+FLOPS_PER_S = 2e11
+BYTES_PER_S = 2e10
+MATMULS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product")
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTensor:
+    """One tensor the forward graph saves for the backward graph.
+
+    Attributes:
+        name: the node's name (the same in the joint, forward and backward graphs).
+        bytes: its storage's bytes (a symbolic size by its hint).
+        producer: the op that made it (``aten.mm.default``).
+        module: the ``nn.Module`` path it was made under (``""``: unknown).
+        tensor: its tensor id in the graph's trace (its base's, for a view).
+        last_fwd_use, first_bwd_use: op indices in the trace; the gap between them is
+            where the plan may take it off the device.
+        offloadable: a dense tensor that is neither a graph input, nor returned to the
+            caller, nor sharing its storage with another saved tensor.
+    """
+
+    name: str
+    bytes: int
+    producer: str
+    module: str
+    tensor: int
+    last_fwd_use: int
+    first_bwd_use: int
+    offloadable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GraphFacts:
+    """A compiled graph as the planner sees it.
+
+    Attributes:
+        trace: the step's ops and tensors (forward then backward).
+        saved: the saved set torch's partitioner chose.
+        n_fwd: forward ops in the trace.
+        curve: bytes live at each op above the step's start (parameters and inputs
+            left out, as they are there before the step).
+    """
+
+    trace: Trace
+    saved: tuple[SavedTensor, ...]
+    n_fwd: int
+    curve: np.ndarray
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.curve.max()) if len(self.curve) else 0
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.bytes for s in self.saved)
+
+
+def hint_int(x: object, fallback: int = 4096) -> int:
+    """An int for a size that may be symbolic: its hint, never a guard."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        node = x.node
+        hint = node.hint if getattr(node, "hint", None) is not None else None
+        if hint is None:
+            shape_env = getattr(node, "shape_env", None)
+            try:
+                hint = shape_env.size_hint(node.expr) if shape_env is not None else None
+            except Exception:  # an unbacked size: no hint exists
+                hint = None
+        return int(hint) if hint is not None else fallback
+    return int(x)
+
+
+def tensor_bytes(val: object) -> int:
+    """Bytes of a (fake) tensor's elements, symbolic sizes by their hints."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    n = 1
+    for s in val.shape:
+        n *= hint_int(s)
+    return n * val.element_size()
+
+
+def is_view(node: fx.Node) -> bool:
+    """The node's output shares its first tensor input's storage (an aten view op)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def estimate_op_s(node: fx.Node) -> float:
+    """Roofline time of one node: FLOPs of a matrix product, else bytes moved."""
+    val = node.meta.get("val")
+    out_b = tensor_bytes(val) if isinstance(val, torch.Tensor) else 0
+    in_b = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    name = str(node.target)
+    if any(m in name for m in MATMULS) and isinstance(val, torch.Tensor):
+        k = 1
+        for a in node.all_input_nodes:
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dim() >= 2:
+                k = max(k, hint_int(v.shape[-1]))
+        flops = 2.0 * (out_b / max(val.element_size(), 1)) * k
+        return max(flops / FLOPS_PER_S, (in_b + out_b) / BYTES_PER_S)
+    return (in_b + out_b) / BYTES_PER_S
+
+
+def _module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    return path[0] if isinstance(path, tuple) else str(path)
+
+
+def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) -> GraphFacts:
+    """The trace and saved set of a partitioned graph.
+
+    Args:
+        fwd, bwd: the partitioner's forward and backward graphs.
+        num_fwd_outputs: how many of the forward graph's outputs go to the caller (the
+            rest are saved for backward).
+    """
+    tensors: list[TensorInfo] = []
+    ops: list[Op] = []
+    tid: dict[tuple[str, str], int] = {}  # (graph, node name) -> tensor id
+
+    def new_tensor(nbytes: int, kind: str, name: str, **kw) -> int:
+        tensors.append(TensorInfo(len(tensors), nbytes, kind, name=name, **kw))
+        return len(tensors) - 1
+
+    fwd_out = list(fwd.graph.find_nodes(op="output")[0].args[0])
+    user_outputs = {n.name for n in fwd_out[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    saved_nodes = [n for n in fwd_out[num_fwd_outputs:] if isinstance(n, fx.Node)
+                   and isinstance(n.meta.get("val"), torch.Tensor)]
+    saved_names = {n.name for n in saved_nodes}
+
+    def walk(gm: fx.GraphModule, g: str, phase: str) -> None:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder":
+                if not isinstance(val, torch.Tensor):
+                    continue
+                if g == "bwd" and node.name in saved_names:
+                    tid[(g, node.name)] = tid[("fwd", node.name)]
+                elif g == "fwd":
+                    tid[(g, node.name)] = new_tensor(tensor_bytes(val), "input", node.name, external=True)
+                else:
+                    tid[(g, node.name)] = new_tensor(tensor_bytes(val), "temporary", node.name)
+                continue
+            if node.op != "call_function":
+                continue
+            ins = sorted({tid[(g, a.name)] for a in node.all_input_nodes if (g, a.name) in tid})
+            outs: list[int] = []
+            if isinstance(val, torch.Tensor):
+                base = node.all_input_nodes[0] if node.all_input_nodes else None
+                if is_view(node) and base is not None and (g, base.name) in tid:
+                    tid[(g, node.name)] = tid[(g, base.name)]
+                else:
+                    kind = "activation" if node.name in saved_names else "temporary"
+                    tid[(g, node.name)] = new_tensor(tensor_bytes(val), kind, node.name)
+                    outs.append(tid[(g, node.name)])
+            ops.append(Op(str(node.target), phase, estimate_op_s(node), tuple(ins), tuple(outs),
+                          scope=_module_of(node) or None))
+
+    walk(fwd, "fwd", "forward")
+    n_fwd = len(ops)
+    walk(bwd, "bwd", "backward")
+    if not ops:
+        ops.append(Op("empty", "forward", 0.0, (), ()))
+        n_fwd = 1
+    last = len(ops) - 1
+    # The backward graph's outputs (gradients) and the forward's outputs to the caller
+    # stay held after their last use in the graph.
+    bwd_out = [n for n in bwd.graph.find_nodes(op="output")[0].args[0] if isinstance(n, fx.Node)]
+    held: dict[int, int] = {}
+    for n in bwd_out:
+        if ("bwd", n.name) in tid:
+            held[tid[("bwd", n.name)]] = last
+    for name in user_outputs:
+        if ("fwd", name) in tid:
+            held[tid[("fwd", name)]] = max(held.get(tid[("fwd", name)], 0), min(n_fwd, last))
+    tensors = [
+        TensorInfo(t.id, t.bytes, "gradient" if held.get(t.id) == last and t.kind == "temporary" else t.kind,
+                   name=t.name, external=t.external, held_until=held.get(t.id))
+        for t in tensors
+    ]
+    # Tensors no op touched (a placeholder nobody reads) must still be used by one op.
+    used = set()
+    for o in ops:
+        used.update(o.inputs)
+        used.update(o.outputs)
+    unused = tuple(t.id for t in tensors if t.id not in used)
+    if unused:
+        ops.insert(0, Op("placeholders", "forward", 0.0, unused, ()))
+        n_fwd += 1
+    trace = Trace(ops, tensors, name="compiled graph", meta={"source": "joint graph", "n_fwd": n_fwd})
+
+    first_use, last_use = trace.first_use, trace.last_use
+    uses_by_tensor: dict[int, list[int]] = {}
+    for i, o in enumerate(trace.ops):
+        for t in set(o.inputs) | set(o.outputs):
+            uses_by_tensor.setdefault(t, []).append(i)
+    base_count: dict[int, int] = {}
+    for n in saved_nodes:
+        base_count[tid[("fwd", n.name)]] = base_count.get(tid[("fwd", n.name)], 0) + 1
+    saved: list[SavedTensor] = []
+    for n in saved_nodes:
+        t = tid[("fwd", n.name)]
+        uses = uses_by_tensor.get(t, [])
+        fwd_uses = [u for u in uses if u < n_fwd]
+        bwd_uses = [u for u in uses if u >= n_fwd]
+        dense = hinted_order(n.meta["val"]) is not None
+        offloadable = (
+            dense and n.op != "placeholder" and n.name not in user_outputs and base_count[t] == 1
+            and not trace.tensors[t].external and bool(bwd_uses) and tensors[t].bytes > 0
+        )
+        saved.append(SavedTensor(
+            name=n.name, bytes=trace.tensors[t].bytes, producer=str(n.target), module=_module_of(n),
+            tensor=t, last_fwd_use=max(fwd_uses) if fwd_uses else int(first_use[t]),
+            first_bwd_use=min(bwd_uses) if bwd_uses else int(last_use[t]), offloadable=offloadable,
+        ))
+    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace))
+
+
+def hinted_order(val: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimension order that makes a (fake) tensor dense, read from size and stride
+    hints (comparing symbolic strides would guard on them), or ``None``."""
+    sizes = [hint_int(s) for s in val.shape]
+    strides = [hint_int(s) for s in val.stride()]
+    order = tuple(sorted(range(len(sizes)), key=lambda d: (-strides[d], -sizes[d])))
+    expect = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expect:
+            return None
+        expect *= sizes[d]
+    return order
+
+
+def live_curve(trace: Trace) -> np.ndarray:
+    """Bytes live at each op, left out what is there before the step (inputs)."""
+    diff = np.zeros(trace.n_ops + 1, dtype=np.int64)
+    for t in trace.tensors:
+        if t.external or t.persistent:
+            continue
+        first, last = int(trace.first_use[t.id]), int(trace.last_use[t.id])
+        if t.held_until is not None:
+            last = max(last, t.held_until)
+        diff[first] += t.bytes
+        diff[last + 1] -= t.bytes
+    return np.cumsum(diff)[:-1]
+
+
+__all__ = ["GraphFacts", "SavedTensor", "graph_facts", "hint_int", "live_curve", "tensor_bytes"]

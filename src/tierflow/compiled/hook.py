@@ -1,0 +1,200 @@
+"""The partitioner hook: where tierflow's plan enters a compiled graph.
+
+AOT autograd traces a joint forward+backward graph and a *partitioner* splits it into
+the forward and backward graphs, choosing what the forward saves. :class:`PlanPartitioner`
+is that partitioner: it runs torch's own (``min_cut_rematerialization_partition``) on a
+copy first, to see the saved set torch would choose (:mod:`tierflow.compiled.graph_trace`),
+asks its planner for a plan (:mod:`tierflow.compiled.plan`), partitions the real graph,
+then rewrites the two halves: each offloaded tensor goes through ``tierflow::offload``
+after its last forward use (the forward saves the op's token instead of the tensor) and
+comes back through ``tierflow::reload`` before its first backward use
+(:mod:`tierflow.compiled.ops`).
+
+With inductor it is installed as ``torch._inductor.config.custom_partitioner_fn``, which
+receives the joint graph after inductor's joint passes; :meth:`PlanPartitioner.uuid`
+keys torch's FX graph cache on the plan, so a new plan recompiles and the same plan
+hits. For other AOT backends the same object is ``aot_autograd``'s ``partition_fn``.
+
+Private torch APIs used here: ``min_cut_rematerialization_partition`` and inductor's
+``CustomPartitionerFn``. :func:`hook_support` says whether they exist in this torch;
+the front-end falls back to the eager runtime when they do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from .graph_trace import GraphFacts, graph_facts, hinted_order
+from .plan import GraphPlan
+
+
+def hook_support() -> str | None:
+    """``None`` when this torch has what the hook needs, else what is missing."""
+    try:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: F401
+        from torch._inductor import config as inductor_config
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure means: not this torch
+        return f"torch {torch.__version__} lacks the partitioner hook ({e})"
+    if not hasattr(inductor_config, "custom_partitioner_fn"):
+        return f"torch {torch.__version__} has no torch._inductor.config.custom_partitioner_fn"
+    return None
+
+
+def _base_class() -> type:
+    try:
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+        return CustomPartitionerFn
+    except Exception:  # noqa: BLE001 - an older torch: the aot_autograd path only
+        return object
+
+
+@dataclass
+class PartitionRecord:
+    """What one partition did, for stats.
+
+    Attributes:
+        facts: the graph as torch would have partitioned it.
+        plan: the plan applied.
+        offloaded: saved tensors rewritten to go through the host tier.
+        slots: the back-end slot of each.
+        saved_after: bytes the forward saves after the rewrite (tokens count 0).
+    """
+
+    facts: GraphFacts
+    plan: GraphPlan
+    offloaded: list[str] = field(default_factory=list)
+    slots: dict[str, int] = field(default_factory=dict)
+    saved_after: int = 0
+
+
+_PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py")
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return fx.GraphModule(gm, graph)
+
+
+def _fake(op: Any, *args: Any) -> Any:
+    """The op's fake output for FX meta: fake inputs dispatch to the fake kernel."""
+    return op(*args)
+
+
+class PlanPartitioner(_base_class()):  # type: ignore[misc]
+    """Partition a joint graph with a tierflow plan.
+
+    Args:
+        decide: the planner: given the graph's facts, the plan.
+        key: what the plan depends on beyond the graph (the budget target), for
+            :meth:`uuid`.
+        on_partition: receives each :class:`PartitionRecord`.
+    """
+
+    def __init__(self, decide: Callable[[GraphFacts], GraphPlan], key: str,
+                 on_partition: Callable[[PartitionRecord], None], slot_base: int = 0) -> None:
+        self.decide = decide
+        self.key = key
+        self.on_partition = on_partition
+        self.slot_base = slot_base
+
+    def uuid(self) -> Any:
+        """The cache key: the plan's inputs beyond the graph, and this package's code."""
+        from pathlib import Path
+
+        here = Path(__file__).parent
+        try:
+            from torch._inductor.custom_graph_pass import get_hash_for_files
+
+            code = get_hash_for_files(tuple(str(here / f) for f in _PLAN_FILES)).hex()[:16]
+        except Exception:  # noqa: BLE001 - an older torch: key on the plan alone
+            code = "nocode"
+        return f"tierflow-plan:{self.key}:{code}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Inductor pickles its config for cache keys; the partitioner stands there as
+        # its uuid (the planner and callbacks it holds are not picklable).
+        return (str, (self.uuid(),))
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        kwargs.setdefault("compiler", "inductor")
+        n_out = kwargs["num_fwd_outputs"]
+        dry_fwd, dry_bwd = min_cut_rematerialization_partition(_copy(gm), joint_inputs, **kwargs)
+        facts = graph_facts(dry_fwd, dry_bwd, n_out)
+        plan = self.decide(facts)
+        fwd, bwd = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        record = PartitionRecord(facts, plan)
+        if plan.offload:
+            self._rewrite(fwd, bwd, n_out, plan, record)
+        out = list(fwd.graph.find_nodes(op="output")[0].args[0])
+        record.saved_after = sum(
+            _bytes(n) for n in out[n_out:] if isinstance(n, fx.Node) and n.target is not torch.ops.tierflow.offload.default
+        )
+        self.on_partition(record)
+        return fwd, bwd
+
+    def _rewrite(self, fwd: fx.GraphModule, bwd: fx.GraphModule, n_out: int, plan: GraphPlan,
+                 record: PartitionRecord) -> None:
+        from . import ops  # noqa: F401 - registers tierflow::offload and tierflow::reload
+
+        output = fwd.graph.find_nodes(op="output")[0]
+        outs = list(output.args[0])
+        user_out = {n for n in outs[:n_out] if isinstance(n, fx.Node)}
+        position = {n: i for i, n in enumerate(fwd.graph.nodes)}
+        bwd_placeholders = {n.name: n for n in bwd.graph.find_nodes(op="placeholder")}
+        tokens: dict[str, fx.Node] = {}
+        for i in range(n_out, len(outs)):
+            x = outs[i]
+            if not isinstance(x, fx.Node) or x.name not in plan.offload or x in user_out:
+                continue
+            if x.name in tokens or x.name not in bwd_placeholders:
+                continue
+            val = x.meta.get("val")
+            order = hinted_order(val) if isinstance(val, torch.Tensor) else None
+            if order is None:
+                continue
+            users = [u for u in x.users if u.op != "output"]
+            after = max(users, key=lambda u: position[u]) if users else x
+            slot = self.slot_base + len(tokens)
+            with fwd.graph.inserting_after(after):
+                tok = fwd.graph.call_function(torch.ops.tierflow.offload.default, (x, slot))
+            tok.meta["val"] = _fake(torch.ops.tierflow.offload.default, val, slot)
+            tokens[x.name] = tok
+            outs[i] = tok
+            p = bwd_placeholders[x.name]
+            first = min((u for u in p.users), key=lambda u: list(bwd.graph.nodes).index(u), default=None)
+            if first is None:
+                continue
+            args = (p, list(order), val.dtype, val.device)
+            with bwd.graph.inserting_before(first):
+                back = bwd.graph.call_function(torch.ops.tierflow.reload.default, args)
+            p.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
+            p.meta["val"] = tok.meta["val"]
+            p.meta.pop("tensor_meta", None)
+            back.meta["val"] = _fake(torch.ops.tierflow.reload.default, tok.meta["val"], *args[1:])
+            record.offloaded.append(x.name)
+            record.slots[x.name] = slot
+        output.args = (tuple(outs),)
+        fwd.graph.lint()
+        bwd.graph.lint()
+        fwd.recompile()
+        bwd.recompile()
+
+
+def _bytes(n: fx.Node) -> int:
+    from .graph_trace import tensor_bytes
+
+    return tensor_bytes(n.meta.get("val"))
+
+
+__all__ = ["PartitionRecord", "PlanPartitioner", "hook_support"]
