@@ -409,3 +409,39 @@ def test_tierflow_train_says_how_many_plans_were_made_and_why():
     rows = dict(_plan_count_rows(s))
     assert rows["signatures: cached / hits / evicted / run on the pager"] == "3 / 8 / 0 / 0"
     assert rows["forwards outside training (validation)"] == "4"
+
+
+def _accumulating_loop(use: bool) -> dict:
+    """Two micro-batches per step under bf16 autocast, clipping, a cosine schedule."""
+    net, opt, _ = _setup()
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 8)
+    g = torch.Generator().manual_seed(6)
+    data = [torch.randn(4, 16, generator=g) for _ in range(12)]
+    losses = []
+    run = offload(net, opt, budget="50%", hardware=_fixed_hw()) if use else None
+    if run is not None:
+        run.__enter__()
+    try:
+        for i in range(6):
+            for x in data[2 * i:2 * i + 2]:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = net(x).float().pow(2).mean() / 2
+                loss.backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    finally:
+        if run is not None:
+            run.__exit__(None, None, None)
+    return {"losses": losses, "final": net.state_dict(), "stats": run.stats if run else None}
+
+
+def test_accumulation_clipping_a_schedule_and_autocast_still_make_one_plan():
+    """What the issue found planned once and followed: it stays so with signatures
+    (the second micro-batch's forward is inside the iteration, not a new one)."""
+    plain, ours = _accumulating_loop(False), _accumulating_loop(True)
+    assert _same_training(ours, plain)
+    s = ours["stats"]
+    assert s.plans_by_reason == {"first": 1} and s.step_kinds == ["warmup", "profiled"] + ["planned"] * 4
