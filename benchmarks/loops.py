@@ -15,11 +15,13 @@ Loop kinds:
                 ``torch.no_grad()``; a checkpoint (``torch.save`` of model and optimizer
                 state) after step 5.
     buckets     15 steps, lengths cycling 24, 40, 56 (a bucketing data loader).
-    distinct    20 steps, a new length every step (no bucketing).
+    distinct    20 steps, a new length every step (no bucketing), growing: 20, 23, ..., 77.
+    shuffled    the same 20 lengths in a fixed shuffled order.
     saveload    6 steps; after step 3 a checkpoint is saved and loaded back
                 (``torch.load(..., weights_only=True)``) into the model and optimizer.
 
     PYTHONPATH=src python benchmarks/loops.py
+    PYTHONPATH=src python benchmarks/loops.py --follow hooks --kinds validation,buckets
     PYTHONPATH=src python benchmarks/loops.py --kinds saveload --save-load-runs 50
 
 ``--save-load-runs N`` runs the saveload loop N times under tierflow and prints how many
@@ -77,10 +79,12 @@ def lengths_for(kind: str, steps: int) -> list[int]:
         return [(24, 40, 56)[i % 3] for i in range(steps)]
     if kind == "distinct":
         return [20 + 3 * i for i in range(steps)]
+    if kind == "shuffled":  # (the same lengths in an order of their own: a fixed permutation)
+        return [20 + 3 * ((7 * i) % steps) for i in range(steps)]
     return [32] * steps
 
 
-STEPS = {"fixed": 12, "validation": 12, "buckets": 15, "distinct": 20, "saveload": 6}
+STEPS = {"fixed": 12, "validation": 12, "buckets": 15, "distinct": 20, "shuffled": 20, "saveload": 6}
 
 
 def run_loop(kind: str, use: bool, *, steps: int | None = None, budget: str | int | None = "50%", seed: int = 0,
@@ -156,37 +160,42 @@ def _planned_median(out: dict, length: int | None = None, lengths: list[int] | N
     return statistics.median(ts) if ts else None
 
 
-def measure(kind: str, budget, follow: str) -> dict:
+def measure(kind: str, budget, follow: str, rounds: int = 3) -> dict:
     """``kind`` under tierflow and plain; per length, its planned step time against a
-    fixed-length loop of that length under tierflow with the same byte budget, in the
-    same run."""
+    fixed-length loop of that length under tierflow with the same byte budget. The loop
+    and its references run in turn, ``rounds`` times; each ratio is the median of the
+    rounds' ratios (the machine's load drifts between rounds, not within one)."""
     plain = run_loop(kind, False)
-    ours = run_loop(kind, True, budget=budget, follow=follow)
-    s = ours["stats"]
     lengths = lengths_for(kind, STEPS[kind])
-    ratios = {}
-    if kind in ("buckets", "validation", "saveload"):
-        for n in sorted(set(lengths)):
-            ref = run_loop("fixed", True, budget=int(s.budget_bytes), follow=follow, length=n)
-            mine, base = _planned_median(ours, n, lengths), _planned_median(ref)
-            ratios[n] = mine / base if mine and base else None
+    per_round: dict[int, list[float]] = {}
+    for _ in range(rounds):
+        ours = run_loop(kind, True, budget=budget, follow=follow)
+        s = ours["stats"]
+        if kind in ("buckets", "validation", "saveload"):
+            for n in sorted(set(lengths)):
+                ref = run_loop("fixed", True, budget=int(s.budget_bytes), follow=follow, length=n)
+                mine, base = _planned_median(ours, n, lengths), _planned_median(ref)
+                if mine and base:
+                    per_round.setdefault(n, []).append(mine / base)
     times = ours["times"]
     return {
         "kind": kind, "steps": s.steps, "bitwise": bitwise(ours, plain),
         "plans": s.replans, "why": dict(s.plans_by_reason), "followed": s.planned_steps,
-        "pager_steps": s.reactive_signature_steps, "kinds": list(s.step_kinds),
+        "pager_steps": s.reactive_signature_steps, "dominated": s.dominated_steps, "kinds": list(s.step_kinds), "follow": s.follow,
         "step_ms": 1e3 * statistics.median(times), "plain_ms": 1e3 * statistics.median(plain["times"]),
-        "total_s": sum(times), "plain_total_s": sum(plain["times"]), "vs_fixed": ratios,
+        "total_s": sum(times), "plain_total_s": sum(plain["times"]),
+        "vs_fixed": {n: statistics.median(v) for n, v in per_round.items()},
         "peak": s.peak_device_bytes, "budget": s.budget_bytes, "peak_ok": s.peak_device_bytes <= s.budget_bytes,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kinds", default="validation,buckets,distinct,saveload")
+    ap.add_argument("--kinds", default="validation,buckets,distinct,shuffled,saveload")
     ap.add_argument("--budget", default="50%", help="a share (of the first profiled peak) or bytes")
     ap.add_argument("--follow", default="ops", choices=("ops", "hooks"))
     ap.add_argument("--save-load-runs", type=int, default=0, help="run the saveload loop N times; count errors")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each loop and its fixed-length references")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     budget = a.budget if a.budget.endswith("%") else int(a.budget)
@@ -204,15 +213,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     for kind in [k for k in a.kinds.split(",") if k]:
         b = budget
-        if kind == "distinct" and isinstance(budget, str):
+        if kind in ("distinct", "shuffled") and isinstance(budget, str):
             # NOTE: a share is of the first profiled iteration's peak, here the shortest
             # length's: the longest lengths could not run in it. Half the longest's peak.
-            top = run_loop("fixed", True, budget=None, steps=3, length=lengths_for(kind, STEPS[kind])[-1])
+            top = run_loop("fixed", True, budget=None, steps=3, length=max(lengths_for(kind, STEPS[kind])))
             b = int(float(budget[:-1]) / 100 * top["stats"].peak_device_bytes)
-        r = measure(kind, b, a.follow)
+        r = measure(kind, b, a.follow, a.rounds)
         ratio = " ".join(f"{n}:x{v:.2f}" for n, v in r["vs_fixed"].items() if v) or "-"
         print(f"{kind:10s} steps {r['steps']:2d} bitwise {r['bitwise']!s:5s} plans {r['plans']} {r['why']} "
-              f"followed {r['followed']}/{r['steps']} pager {r['pager_steps']} | median step {r['step_ms']:.2f} ms, "
+              f"followed {r['followed']}/{r['steps']} ({r['follow']}) pager {r['pager_steps']} under a larger plan {r['dominated']} | median step {r['step_ms']:.2f} ms, "
               f"total {r['total_s']:.2f} s (plain {r['plain_ms']:.2f} ms, {r['plain_total_s']:.2f} s) | "
               f"planned step vs fixed length under tierflow {ratio} | "
               f"peak {r['peak'] / 1e6:.3f}/{r['budget'] / 1e6:.3f} MB {'ok' if r['peak_ok'] else 'OVER'}")

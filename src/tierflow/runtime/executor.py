@@ -248,6 +248,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             raise OffloadError(f"offload: {e}") from None
         self._plan_why = "first"  # why the next profile is made (stats.plans_by_reason)
         self._pager_iteration = False  # this iteration runs on the pager, unplanned (signatures)
+        self._dominated = False  # this iteration follows a larger signature's plan (signatures)
 
         if follow not in FOLLOW_CHOICES:
             raise OffloadError(f"offload: follow={follow!r}; expected one of {', '.join(map(repr, FOLLOW_CHOICES))}")
@@ -476,6 +477,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                         self._plan_why = "held"
                 self._choose_plan(signature_of(args, kwargs or {}, module.training))
                 self._begin()
+                if self._dominated:  # (its op times are not the plan's trace's to re-time it with)
+                    self._timing = False
                 for i, x in enumerate(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
                     e = self._entry(x, counted=False)
                     if e is not None and e.kind == "temporary":
@@ -487,11 +490,19 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         """Before an iteration of signature ``sig`` begins: follow its cached plan,
         profile it (a new signature), or run it on the pager (runtime/signatures.py)."""
         cache, st = self._plans, self.stats
-        self._pager_iteration = False
+        self._pager_iteration = self._dominated = False
         if self.plan is None or cache.current is None:  # (no plan yet: the first profile)
             cache.current = sig
             return
         if sig == cache.current:
+            return
+        if self._sync is not None:
+            # NOTE: ranks plan together (runtime/distributed.py): one rank following a
+            # cached plan while another profiles would leave the other waiting in the
+            # planning collectives. Under several ranks a new signature is profiled again.
+            cache.plans.clear()
+            cache.current = sig
+            self._need_profile, self._plan_why = True, "new signature"
             return
         if self._need_profile:  # the current signature's plan departed: not to be followed again
             cache.plans.pop(cache.current, None)
@@ -500,18 +511,23 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             now = snapshot(self)
             kept.state, kept.stats = now.state, now.stats
         decision = cache.decide(sig)
-        if decision == "follow":
+        if isinstance(decision, tuple):  # ("dominated", the larger signature whose plan it follows)
+            decision, sig = decision
+            self._dominated = True
+            st.dominated_steps += 1
+        if decision in ("follow", "dominated"):
             # NOTE: host steps own live state (master copies, the state on the host,
             # hooks): given up for the plan being left, taken up again for the one restored
             self._host_release()
             restore(self, cache.plans[sig])
             if self.plan.host_steps:
                 self._host_adopt(self.trace, self.plan)
-            cache.followed(sig)
+            if not self._dominated:
+                cache.followed(sig)
             cache.current = sig
             self._need_profile = False
             self._from_profile = True  # (its start state: what it wants on the device, and away)
-            st.signature_hits += 1
+            st.signature_hits += not self._dominated
         elif decision == "profile":
             cache.current = sig
             self._need_profile, self._plan_why = True, "new signature"
@@ -693,7 +709,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             st.reactive_steps += 1
         if self._timing:
             self._retime_end(wall)
-        if self._stale:
+        if self._stale and not self._dominated:  # (a dominated iteration's departure says nothing of its plan)
             self._need_profile = True
         self._iter_tid, self._iter_entries = {}, []
         # (from here: the peak of the ops between iterations, _fold_outside_peak; not what
@@ -868,7 +884,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 if e.key != want:
                     self._mark_stale(f"op {i}: tensor {tid} is {e.label}, the trace has {want}")
                     return False
-            elif e.nbytes != want and not e.foreign:  # (a foreign size is FSDP's: see _check_outs)
+            elif e.nbytes != want and not e.foreign and not (self._dominated and e.nbytes <= want):
+                # (a foreign size is FSDP's: see _check_outs; a dominated iteration's may be smaller)
                 self._mark_stale(f"op {i}: tensor {tid} has {e.nbytes} bytes, the trace has {want}")
                 return False
             entries[tid] = e
@@ -894,7 +911,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         sizes = self._out_sizes[i]
         # (a foreign storage's size is its owner's, FSDP's: it changes when FSDP frees or
         # gathers it, not with the op, and is accounted when looked at, _sync_foreign)
-        if len(outs) != len(sizes) or any(e.nbytes != n and not e.foreign for e, n in zip(outs, sizes)):
+        dom = self._dominated  # (a larger signature's plan: no tensor may be larger than its trace's)
+        if len(outs) != len(sizes) or any(e.nbytes != n and not e.foreign and not (dom and e.nbytes <= n)
+                                          for e, n in zip(outs, sizes)):
             self._mark_stale(f"op {i}: {self.trace.ops[i].name} made {[e.nbytes for e in outs]} bytes, "
                              f"the trace has {self._out_sizes[i]}")
         elif self._bind_out[i] is not None:
@@ -994,7 +1013,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 elif e.ref() is None:  # (a new storage at the address of one that died in the op)
                     e = entry(t, self._op_labels[i])
                 k = len(outs)
-                if same and (k >= len(sizes) or (sizes[k] != e.nbytes and not e.foreign)):
+                if same and (k >= len(sizes) or (sizes[k] != e.nbytes and not e.foreign
+                                                 and not (self._dominated and e.nbytes <= sizes[k]))):
                     same = False
                 outs.append(e)
             if spots:  # (most ops write no argument; in place ones write one, ``self``)
@@ -1012,7 +1032,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     if written:
                         self._account_written(written, outs, self._op_labels[i])
                 for k in range(k0, len(outs)):  # (the trace's results include what it wrote)
-                    if k >= len(sizes) or (sizes[k] != outs[k].nbytes and not outs[k].foreign):
+                    if k >= len(sizes) or (sizes[k] != outs[k].nbytes and not outs[k].foreign
+                                           and not (self._dominated and outs[k].nbytes <= sizes[k])):
                         same = False
             if not same or len(outs) != len(sizes):
                 self._check_outs(i, outs)  # (a departure: it says how)

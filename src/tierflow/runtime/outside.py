@@ -20,8 +20,9 @@ that is away at that moment (its storage shrunk to zero bytes by an eviction) wo
 written as an empty record, and loading it back fails (``Trying to resize storage that
 is not resizable``: the loaded storage has no bytes for the tensor). So the state dicts
 of the model and the optimizer (post hooks on both) never hold an away tensor: each
-one is replaced by a copy of its bytes, read back from its tier and sent back there, so
-the device budget holds and the rest of the state dict still aliases the model. And
+one is replaced by a copy of its bytes (on CUDA, in host memory), read back from its
+tier and sent back there, so the device budget holds and the rest of the state dict
+still aliases the model. And
 optimizer state loaded inside the block (``load_state_dict`` keeps the loaded tensors,
 whose storages ``torch.load`` made and nobody may resize) is replaced by copies the
 runtime made, so the plan moves it as before rather than departing at every move of it.
@@ -162,7 +163,10 @@ class CheckpointGuard:
             # already holds (aliases, read by torch.save later). The bytes pass through
             # the device for one copy and go back to their tier.
             run._ensure_resident(e)
-            copy = t.detach().clone()
+            # (on CUDA the copy goes to host memory: a device copy would hold device bytes
+            # no budget counts for as long as the user keeps the state dict; torch.save
+            # copies to the host anyway, and load_state_dict copies back to the device)
+            copy = t.detach().to("cpu", copy=True) if run._cuda else t.detach().clone()
             if tier is not None and tier != "home":
                 run._evict(e, tier)
         finally:

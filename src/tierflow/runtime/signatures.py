@@ -21,7 +21,10 @@ signature is not
 profiled at its first sighting: it runs on the runtime's pager, which keeps the budget
 by itself (it makes room before each op for the bytes the op's meta kernel says it will
 make, least recently used out), and is remembered; if it comes back, it is profiled and
-planned then. So unbucketed lengths cost the pager's step, never a plan that is thrown
+planned then. Unless a cached plan *dominates* it (:func:`dominates`: the same
+arguments, every tensor at least as large): then the iteration follows that plan from
+its first op, each tensor no larger than the plan's, so the budget holds (a shorter
+sequence under a longer one's plan). So unbucketed lengths cost the pager's step, never a plan that is thrown
 away, and lengths that do repeat are still planned. The budget holds either way.
 """
 
@@ -79,6 +82,42 @@ def signature_of(args: tuple, kwargs: dict, training: bool) -> Hashable:
     return tuple(parts)
 
 
+def dominates(big: Hashable, small: Hashable) -> bool:
+    """Whether signature ``big`` has the same arguments as ``small`` (structure,
+    dtypes, devices, other values, mode) with every tensor at least as large in every
+    dimension: the same ops, each tensor no larger, so ``big``'s plan keeps the budget
+    for ``small`` (a departure, if the ops differ after all, is caught as usual).
+
+    Example:
+        >>> a = signature_of((torch.zeros(4, 40),), {}, True)
+        >>> dominates(a, signature_of((torch.zeros(4, 24),), {}, True))
+        True
+        >>> dominates(signature_of((torch.zeros(4, 24),), {}, True), a)
+        False
+    """
+    if not (isinstance(big, tuple) and isinstance(small, tuple)) or len(big) != len(small):
+        return False
+    for b, s in zip(big, small):
+        if isinstance(b, tuple) and isinstance(s, tuple) and b[:1] == s[:1] == ("T",):
+            if b[2:] != s[2:] or len(b[1]) != len(s[1]) or any(x < y for x, y in zip(b[1], s[1])):
+                return False
+        elif b != s:
+            return False
+    return big != small
+
+
+def _elements(sig: Hashable) -> int:
+    """Elements of a signature's tensors (the smallest dominating plan is chosen)."""
+    n = 0
+    for p in sig if isinstance(sig, tuple) else ():
+        if isinstance(p, tuple) and p[:1] == ("T",):
+            k = 1
+            for d in p[1]:
+                k *= d
+            n += k
+    return n
+
+
 @dataclass
 class CachedPlan:
     """One signature's plan: the executor's plan state (:data:`PLAN_STATE`) and stats."""
@@ -121,9 +160,11 @@ class PlanCache:
         window = min(CHURN_WINDOW, self.max_plans)
         return len(self.made) >= window and all(p.followed == 0 for p in self.made)
 
-    def decide(self, sig: Hashable) -> str:
+    def decide(self, sig: Hashable) -> str | tuple[str, Hashable]:
         """What an iteration of signature ``sig`` does: ``"follow"`` a cached plan,
-        ``"profile"`` (and plan), or ``"pager"`` (a first sighting while churning)."""
+        ``"profile"`` (and plan), or, at a first sighting while churning,
+        ``("dominated", big)`` (follow the cached plan of ``big``, which
+        :func:`dominates` ``sig``) or ``"pager"``."""
         if sig in self.plans:
             self.plans.move_to_end(sig)
             return "follow"
@@ -131,6 +172,10 @@ class PlanCache:
             self.seen_once[sig] = None
             while len(self.seen_once) > 4 * self.max_plans:
                 self.seen_once.popitem(last=False)
+            big = min((k for k in self.plans if dominates(k, sig)), key=_elements, default=None)
+            if big is not None:
+                self.plans.move_to_end(big)
+                return ("dominated", big)
             return "pager"
         self.seen_once.pop(sig, None)
         return "profile"
@@ -168,4 +213,5 @@ def restore(run: Any, cached: CachedPlan) -> None:
         setattr(run.stats, k, v)
 
 
-__all__ = ["CHURN_WINDOW", "DEFAULT_MAX_PLANS", "PLAN_STATE", "CachedPlan", "PlanCache", "restore", "signature_of", "snapshot"]
+__all__ = ["CHURN_WINDOW", "DEFAULT_MAX_PLANS", "PLAN_STATE", "CachedPlan", "PlanCache", "dominates", "restore",
+           "signature_of", "snapshot"]

@@ -137,6 +137,9 @@ class RunStats:
             the cache's bound: see :mod:`tierflow.runtime.signatures`), run on the pager.
         step_kinds: per iteration, in order: ``planned`` (followed a plan to its end),
             ``profiled``, ``reactive`` or ``warmup``.
+        dominated_steps: iterations of a new signature, while the cache churns, that
+            followed the cached plan of a larger one (same arguments, every tensor at
+            least as large): no tensor larger than that plan's, so its budget holds.
     """
 
     steps: int = 0
@@ -212,6 +215,7 @@ class RunStats:
     signatures_evicted: int = 0
     reactive_signature_steps: int = 0
     step_kinds: list[str] = field(default_factory=list)
+    dominated_steps: int = 0
     compiled_graphs: list[dict[str, Any]] = field(default_factory=list)
     compiled_calls: int = 0
     compiled_compiles: int = 0
