@@ -82,11 +82,14 @@ def workload(name: str, device: torch.device, quick: bool) -> Workload:
             return torch.randn(b, s, d, generator=g).to(device)
 
         return Workload(f"gated-mlp d{d} h{h} x{n}, batch {b}x{s}", model, batch, lambda f, x: f(x))
-    if name == "gpt2":
+    if name in ("gpt2", "gpt2-small"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         layers, width, b, s = (2, 128, 2, 128) if quick else (4, 256, 8, 256)
-        cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4, n_positions=s, vocab_size=2048,
+        if name == "gpt2-small" and not quick:  # GPT-2 124M's shape (the GPU rows)
+            layers, width, b, s = 12, 768, 8, 1024
+        cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4 if width < 768 else 12, n_positions=s,
+                         vocab_size=2048 if name == "gpt2" else 50257,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(cfg).to(device)
 
@@ -96,11 +99,20 @@ def workload(name: str, device: torch.device, quick: bool) -> Workload:
 
         return Workload(f"HF GPT-2 {layers}L w{width}, batch {b}x{s} (from a config, dropout 0)", model, batch,
                         lambda f, ids: f(input_ids=ids, labels=ids).loss)
-    raise SystemExit(f"unknown model {name!r} (mlp, gpt2)")
+    raise SystemExit(f"unknown model {name!r} (mlp, gpt2, gpt2-small)")
 
 
-def allocator_peak(step: Callable[[], Any]) -> int:
-    """Highest bytes above the step's start, from the allocator's events (CPU)."""
+def allocator_peak(step: Callable[[], Any], device: torch.device | None = None) -> int:
+    """Highest bytes above the step's start: on CUDA ``max_memory_allocated`` over the
+    bytes allocated at the start; on the CPU from the allocator's events under
+    ``torch.profiler``."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - start)
     from torch.profiler import ProfilerActivity, profile
 
     from tierflow.capture.check import _allocations
@@ -163,6 +175,26 @@ def make_arms(w: Workload, shares: list[float], ambs: list[float], headroom: flo
     return [plain] + [lambda s=s: tierflow_arm(s) for s in shares] + [lambda b=b: amb(b) for b in ambs]
 
 
+def gc_arms(w: Workload, peak_of_gc: Callable[[], int]) -> list[Callable[[], Arm]]:
+    """HF's ``gradient_checkpointing_enable()`` compiled, then tierflow's compiled plan
+    with that arm's measured peak as its byte budget."""
+
+    def gc() -> Arm:
+        m = copy.deepcopy(w.model)
+        m.gradient_checkpointing_enable()
+        counter = tc.CallCounter("inductor")
+        return Arm("gradient_checkpointing", m, torch.compile(m, backend=counter),
+                   torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False), counter)
+
+    def at_gc() -> Arm:
+        m = copy.deepcopy(w.model)
+        run = tc.compile(m, budget=peak_of_gc(), backend="inductor")
+        return Arm("tierflow @ checkpointing peak", m, run.model,
+                   torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False), run)
+
+    return [gc, at_gc]
+
+
 def run_arm(make: Callable[[], Arm], w: Workload, args: argparse.Namespace) -> Arm:
     """Warm-up (compiling) steps, one profiled step, timed steps; Dynamo reset first.
 
@@ -182,11 +214,17 @@ def run_arm(make: Callable[[], Arm], w: Workload, args: argparse.Namespace) -> A
             a.step(w, i)
         i += 1
     a.compile_s = time.perf_counter() - t0
-    a.peak = allocator_peak(lambda: a.step(w, i))
+    a.peak = allocator_peak(lambda: a.step(w, i), next(a.model.parameters()).device)
+    print(f"  {a.name}: first steps {a.compile_s:.1f} s, peak {a.peak / 2**20:.1f} MiB", flush=True)
     i += 1
+    cuda = next(a.model.parameters()).device.type == "cuda"
     for _ in range(args.steps):
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         a.step(w, i)
+        if cuda:
+            torch.cuda.synchronize()
         a.times.append(time.perf_counter() - t0)
         i += 1
     return a
@@ -197,6 +235,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
     shares = [float(s) for s in args.shares.split(",")]
     ambs = [float(b) for b in args.ambs.split(",")] if args.ambs else []
     arms = [run_arm(make, w, args) for make in make_arms(w, shares, ambs, args.headroom)]
+    if args.checkpointing and name.startswith("gpt2"):
+        for make in gc_arms(w, lambda: arms[-1].peak):
+            arms.append(run_arm(make, w, args))
     plain = arms[0]
     rows = []
     for a in arms:
@@ -208,8 +249,12 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
             "first_steps_s": round(a.compile_s, 2),
         }
         if a.name.startswith("tierflow"):
-            share = float(a.name.split()[1].rstrip("%")) / 100
-            budget = share * plain.peak
+            if a.name.endswith("checkpointing peak"):
+                budget = next(b.peak for b in arms if b.name == "gradient_checkpointing")
+                row["x_checkpointing"] = statistics.median(a.times) / statistics.median(
+                    next(b.times for b in arms if b.name == "gradient_checkpointing"))
+            else:
+                budget = float(a.name.split()[1].rstrip("%")) / 100 * plain.peak
             row.update({
                 "budget_bytes": int(budget), "within": a.peak <= budget,
                 "bitwise_losses": a.losses == plain.losses,
@@ -268,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--headroom", type=float, default=0.1, help="tierflow.compiled.compile's headroom")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--no-eager", dest="eager", action="store_false")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="gpt2: also HF gradient_checkpointing_enable() compiled, and tierflow at its peak")
     ap.add_argument("--quick", action="store_true", help="small models (the CPU dry run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
@@ -276,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     out = {"torch": torch.__version__, "device": str(device), "results": []}
     for name in args.models.split(","):
+        print(f"{name}:", flush=True)
         res = run_model(name, args, device)
         print_rows(res)
         out["results"].append(res)
