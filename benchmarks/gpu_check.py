@@ -434,6 +434,22 @@ def parse_models(text: str) -> list[tuple[str, int, int | None]]:
     return out
 
 
+def _part_k(args: argparse.Namespace) -> int:
+    """Part K (issue 30): benchmarks/compiled.py on HF GPT-2 (124M's shape on CUDA, tiny
+    on the CPU dry run): plain compiled, tierflow's compiled plan at 50%, torch's
+    ``activation_memory_budget``, compiled ``gradient_checkpointing_enable()`` and
+    tierflow at its measured peak (``x_checkpointing``: step time over its)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import compiled
+
+    cpu = args.device == "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    argv = ["--models", "gpt2" if cpu else "gpt2-small", "--shares", "0.5", "--ambs", "0.5,0.2",
+            "--checkpointing", "--no-eager", "--device", args.device, "--steps", "2" if cpu else "5",
+            "--json", os.path.join(args.out, "compiled_k.json")]
+    return compiled.main(argv + (["--quick"] if cpu or args.quick else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -455,8 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trainer", action="store_true", help="--out: no Trainer row")
     ap.add_argument("--parts", default="ABCS", help="--out: which parts of each model's rows (A: peers and "
                     "tierflow at the checkpointing peak, 50%%, 30%%; B: parity, Trainer; C: the rest; S: a GPT-2 "
-                    "whose weights and AdamW state are over twice the budget, after A; default ABCS)")
+                    "whose weights and AdamW state are over twice the budget, after A; K: HF GPT-2 compiled, tierflow's "
+                    "compiled plan at the peak of compiled gradient_checkpointing_enable() and beside "
+                    "activation_memory_budget, benchmarks/compiled.py, into DIR/compiled_k.json; default ABCS)")
     args = ap.parse_args(argv)
+    if args.out and "K" in args.parts.upper():
+        code = _part_k(args)
+        args.parts = args.parts.upper().replace("K", "")
+        if not args.parts:
+            return code
     if args.out:
         if args.device == "cuda" and not torch.cuda.is_available():
             ap.error("--device cuda: CUDA is not available")

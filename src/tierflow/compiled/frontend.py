@@ -196,8 +196,9 @@ class CompiledOffload:
     """
 
     def __init__(self, model: torch.nn.Module, budget: Budget, backend: str, device: torch.device,
-                 compile_kwargs: dict[str, Any]) -> None:
+                 compile_kwargs: dict[str, Any], headroom: float = 0.1) -> None:
         self.budget = budget
+        self.headroom = headroom
         self.backend_name = backend
         self.backend = backend_for(device)
         self._moved_at_start = self.backend.snapshot()
@@ -223,10 +224,14 @@ class CompiledOffload:
         return _Counted(fn, report, self._pending)
 
     def _target(self, facts: GraphFacts) -> int | None:
+        # The trace sees each graph's tensors, not the allocator's rounding, the tokens,
+        # nor what runs between graphs (the loss, autograd's buffers, the optimizer):
+        # plans aim ``headroom`` below the budget.
+        keep = 1.0 - self.headroom
         if self.budget.share is not None:
-            return int(facts.peak_bytes * self.budget.share)
+            return int(facts.peak_bytes * self.budget.share * keep)
         if self.budget.bytes is not None:
-            return int(min(self.budget.bytes, self._bytes_left if self._bytes_left is not None else 0))
+            return int(keep * min(self.budget.bytes, self._bytes_left if self._bytes_left is not None else 0))
         return None
 
     def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
@@ -316,6 +321,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     backend: str = "inductor",
     device: str | torch.device | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    headroom: float = 0.1,
     **compile_kwargs: Any,
 ) -> CompiledOffload | EagerFallback:
     """``torch.compile(model)`` whose compiled graphs keep or offload each saved activation
@@ -329,6 +335,9 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         backend: ``"inductor"`` or ``"aot_eager"``.
         device: where the model runs (default: its first parameter's device).
         optimizer: used only by the eager fallback (a torch without the hook).
+        headroom: plans aim this share below the budget on the graph's trace, for
+            what the trace does not see (the allocator's rounding, the tokens, the
+            loss and optimizer between graphs).
         compile_kwargs: passed to ``torch.compile`` (``dynamic=``, ``fullgraph=``, ...).
 
     Returns:
@@ -359,7 +368,9 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     if device is None:
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None else torch.device("cpu")
-    return CompiledOffload(model, parsed, backend, torch.device(device), compile_kwargs)
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"tierflow compiled: headroom {headroom} must be in [0, 1)")
+    return CompiledOffload(model, parsed, backend, torch.device(device), compile_kwargs, headroom)
 
 
 __all__ = ["BACKENDS", "Budget", "CallCounter", "CompiledOffload", "EagerFallback", "GraphReport", "compile"]

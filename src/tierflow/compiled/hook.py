@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .graph_trace import GraphFacts, graph_facts, hinted_order
+from .graph_trace import GraphFacts, graph_facts, hinted_order, is_view
 from .plan import GraphPlan
 
 
@@ -164,24 +164,31 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
             if order is None:
                 continue
             users = [u for u in x.users if u.op != "output"]
-            after = max(users, key=lambda u: position[u]) if users else x
-            slot = self.slot_base + len(tokens)
-            with fwd.graph.inserting_after(after):
+            last_use = max(users, key=lambda u: position[u]) if users else x
+            slot = self.slot_base + i
+            with fwd.graph.inserting_after(last_use):
                 tok = fwd.graph.call_function(torch.ops.tierflow.offload.default, (x, slot))
             tok.meta["val"] = _fake(torch.ops.tierflow.offload.default, val, slot)
             tokens[x.name] = tok
             outs[i] = tok
             p = bwd_placeholders[x.name]
-            first = min((u for u in p.users), key=lambda u: list(bwd.graph.nodes).index(u), default=None)
+            bwd_order = {n: k for k, n in enumerate(bwd.graph.nodes)}
+            first = min(p.users, key=lambda u: bwd_order[u], default=None)
             if first is None:
                 continue
-            args = (p, list(order), val.dtype, val.device)
+            after = _sequencer(bwd, first, bwd_order)
+            if after is None:  # nothing computed before its first use: no gap to save
+                outs[i] = x
+                fwd.graph.erase_node(tok)
+                del tokens[x.name]
+                continue
+            args = (p, after, list(order), val.dtype, val.device)
             with bwd.graph.inserting_before(first):
                 back = bwd.graph.call_function(torch.ops.tierflow.reload.default, args)
             p.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
             p.meta["val"] = tok.meta["val"]
             p.meta.pop("tensor_meta", None)
-            back.meta["val"] = _fake(torch.ops.tierflow.reload.default, tok.meta["val"], *args[1:])
+            back.meta["val"] = _fake(torch.ops.tierflow.reload.default, tok.meta["val"], after.meta["val"], *args[2:])
             record.offloaded.append(x.name)
             record.slots[x.name] = slot
         output.args = (tuple(outs),)
@@ -189,6 +196,15 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         bwd.graph.lint()
         fwd.recompile()
         bwd.recompile()
+
+
+def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+    """The last tensor the backward graph computes before ``first`` (not a view): the
+    input that keeps a reload from being scheduled earlier."""
+    before = [n for n in bwd.graph.nodes if order[n] < order[first] and n.op == "call_function"
+              and isinstance(n.meta.get("val"), torch.Tensor) and n.target is not torch.ops.tierflow.reload.default
+              and not is_view(n)]
+    return before[-1] if before else None
 
 
 def _bytes(n: fx.Node) -> int:

@@ -48,16 +48,21 @@ def _inverse(order: list[int]) -> list[int]:
 
 @torch.library.custom_op("tierflow::reload", mutates_args=())
 def reload(
-    token: torch.Tensor, order: list[int], dtype: torch.dtype, device: torch.device
+    token: torch.Tensor, after: torch.Tensor, order: list[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The tensor :func:`offload` copied out, back on ``device`` with its strides."""
+    """The tensor :func:`offload` copied out, back on ``device`` with its strides.
+
+    ``after`` is not read: it is the tensor the backward graph computes just before the
+    reloaded tensor's first use, an input only so that the compiler cannot run the
+    reload earlier (inductor schedules an op with no pending input as early as it can,
+    which would bring every offloaded tensor back at the start of backward)."""
     ticket = int(token.as_strided((), ()).item())
     return backend_for(device).take(ticket)
 
 
 @reload.register_fake
 def _reload_fake(
-    token: torch.Tensor, order: list[int], dtype: torch.dtype, device: torch.device
+    token: torch.Tensor, after: torch.Tensor, order: list[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     shape = [token.shape[d] for d in order]
     return torch.empty(shape, dtype=dtype, device=device).permute(_inverse(order))

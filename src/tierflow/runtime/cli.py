@@ -57,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--follow", choices=("ops", "hooks"), default="ops",
                    help="how planned steps are followed: ops (default: every op through the runtime) or hooks "
                    "(at module, saved-tensor and gradient hooks, no per-op Python; see docs/runtime.md)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
+                   help="torch.compile the model (inductor unless named) and carry the plan inside its graphs "
+                   "(tierflow.compiled; --budget is then a share of each graph's own peak, or bytes); prints what "
+                   "each graph kept and offloaded (see docs/compiled.md)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--report", default=None, metavar="HTML",
                    help="also write the HTML report of the followed plan, measured beside predicted")
@@ -108,6 +112,8 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise TierflowError(f"--steps must be >= 1, got {args.steps}")
+    if getattr(args, "compile", None):
+        return _train_compiled(args)
     if args.device == "cuda":
         import torch
 
@@ -200,6 +206,69 @@ def _plan_count_rows(s) -> list[tuple[str, str]]:
     if s.checkpoint_copies:
         rows.append(("state dict copies of away tensors", str(s.checkpoint_copies)))
     return rows
+
+
+def _train_compiled(args: argparse.Namespace) -> int:
+    """``tierflow train --compile``: the zoo model compiled through
+    :func:`tierflow.compiled.compile`, trained for ``--steps`` steps, and what each
+    compiled graph's plan kept and offloaded."""
+    import time
+
+    import torch
+
+    import tierflow.compiled as tc
+
+    from ..capture import zoo
+    from ..errors import TierflowError
+    from .training import OPTIMIZERS
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise TierflowError("--device cuda: CUDA is not available on this machine")
+    if args.nproc is not None or args.check_parity or args.report:
+        raise TierflowError("--compile runs one process without --check-parity or --report")
+    spec = zoo.spec(args.model)
+    m = zoo.build(args.model, device=args.device, seed=0)
+    opt = OPTIMIZERS[args.optimizer](list(m.model.parameters()))
+    x, y = m.make_batch(spec.batch if args.batch is None else args.batch, args.seq if spec.seq is not None else None)
+    try:
+        run = tc.compile(m.model, budget=args.budget, backend=args.compile, optimizer=opt)
+    except ValueError as e:
+        raise TierflowError(str(e)) from None
+    times, losses = [], []
+    with run:
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            loss = m.loss_fn(run.model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            times.append(time.perf_counter() - t0)
+    st = run.stats
+    st.steps = len(times)
+    st.step_times_s = times
+    st.step_time_s = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    if args.json:
+        u.print_json({"model": args.model, "losses": losses, "stats": st.to_dict()})
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"tierflow train --compile {args.compile}: {args.model} on {args.device}, "
+              f"budget {args.budget or 'none'}")
+    for col in ("graph", "calls", "saved", "kept", "offloaded", "recomputed", "trace peak", "planned peak", "target"):
+        t.add_column(col, justify="right")
+    for g in st.compiled_graphs:
+        t.add_row(str(g["index"]), str(g["calls"]), f"{g['saved']} ({fmt_bytes(g['saved_bytes'])})", str(g["kept"]),
+                  f"{g['offloaded']} ({fmt_bytes(g['offloaded_bytes'])})", str(g["recomputed"]),
+                  fmt_bytes(g["predicted_peak_bytes"]), fmt_bytes(g["predicted_peak_bytes_planned"]),
+                  "none" if g["target_bytes"] is None else fmt_bytes(g["target_bytes"])
+                  + (" (not reached)" if g["unreachable"] else ""))
+    con = u.console()
+    con.print(t)
+    con.print(f"steps {st.steps}, median step {fmt_seconds(st.step_time_s)} (after the first, which compiles); "
+              f"compiled calls {st.compiled_calls}, graphs compiled {st.compiled_compiles}, "
+              f"offloads {st.compiled_offloads}; last loss {losses[-1]:.4f}")
+    return 0
 
 
 def _write_report(path: str, res) -> None:
