@@ -72,6 +72,11 @@ LADDER_MAX_BUFFERS = 2000
 # lanes of the ladder beside the search (each a thread; CP-SAT and the compiled search
 # release the GIL)
 LADDER_WORKERS = 1
+# share of the time limit the search runs alone before the ladder starts beside it: on
+# two busy cores the ladder's thread slows the search (MiniMalloc's F: at the bound in
+# 5 s alone, 1.057 with the ladder from the start), and the cases the search settles
+# fall within this share
+LADDER_DELAY = 0.4
 # deterministic mode (a node limit): CP-SAT deterministic time the ladder gets after
 # the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
@@ -293,7 +298,7 @@ class _LadderRun:
         self.result: LadderResult | None = None
         self.thread: threading.Thread | None = None
         if self.active and threaded:
-            self.thread = threading.Thread(target=self._run, kwargs={"det_budget": None}, daemon=True)
+            self.thread = threading.Thread(target=self._run, kwargs={"det_budget": None, "delay": True}, daemon=True)
             self.thread.start()
 
     @classmethod
@@ -315,7 +320,9 @@ class _LadderRun:
         run.aside = int(problem.units[aside].max(initial=0))
         return run
 
-    def _run(self, det_budget: float | None) -> None:
+    def _run(self, det_budget: float | None, delay: bool = False) -> None:
+        if delay and self.stop.wait(LADDER_DELAY * max(0.0, self.deadline - time.perf_counter())):
+            return  # the search met its floor first
         known = known_hint = None
         if self.known is not None and det_budget is None:  # beside the search only: it changes under us
             # a placement peaking at P units pushes down onto the reduced grid at P // gcd
