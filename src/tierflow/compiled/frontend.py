@@ -214,13 +214,19 @@ class CompiledOffload:
         self.compiles += 1
         partitioner = PlanPartitioner(
             decide=lambda facts: self._decide(facts, report),
-            key=f"{self.budget.key()}:graph={report.index}",
+            # Everything the target depends on besides the graph (see _target).
+            key=f"{self.budget.key()}:graph={report.index}:headroom={self.headroom}:carried={self._carried(report)}",
             on_partition=lambda rec: self._partitioned(rec, report),
             slot_base=report.index * SLOTS_PER_GRAPH,
         )
         self._pending: list[Callable[[], None]] = []
         fn = _compile_graph(gm, example_inputs, self.backend_name, partitioner)
         return _Counted(fn, report, self._pending)
+
+    def _carried(self, report: GraphReport) -> tuple[int, int]:
+        """Bytes earlier graphs keep saved, and would save unplanned, while ``report``'s runs."""
+        earlier = [g for g in self.graphs if g.index < report.index and g.calls == 1]
+        return (sum(g.saved_bytes - g.offloaded_bytes for g in earlier), sum(g.saved_bytes for g in earlier))
 
     def _target(self, facts: GraphFacts, report: GraphReport) -> int | None:
         """What graph ``report`` may hold live, on its trace.
@@ -233,9 +239,7 @@ class CompiledOffload:
         looser one). The trace sees each graph's tensors, not the allocator's rounding,
         the tokens, nor what runs between graphs: plans aim ``headroom`` below."""
         keep = 1.0 - self.headroom
-        earlier = [g for g in self.graphs if g.index < report.index and g.calls == 1]
-        carried_kept = sum(g.saved_bytes - g.offloaded_bytes for g in earlier)
-        carried_plain = sum(g.saved_bytes for g in earlier)
+        carried_kept, carried_plain = self._carried(report)
         if self.budget.share is not None:
             return max(0, int(keep * self.budget.share * (facts.peak_bytes + carried_plain)) - carried_kept)
         if self.budget.bytes is not None:
