@@ -14,11 +14,10 @@ arm, with inductor:
   of S times the plain compiled step's measured peak (its peak: the runtime's own
   accounting over planned steps).
 
-Each compiled arm runs ``--warmup`` steps, one step under ``torch.profiler`` (its
+Each compiled arm runs ``--warmup`` steps and one step under ``torch.profiler`` (its
 allocator peak, bytes above the step's start: the sum of allocation events' sizes at
-its highest), then ``--steps`` timed steps; arms run one after the other, Dynamo reset
-between them (see :func:`run_arm`), so load changes on a shared machine are not spread
-evenly: read ratios with the load printed beside them. Losses and final parameters of every tierflow arm are
+its highest), then the arms' ``--steps`` timed steps run interleaved, one step of each
+in turn (each arm's model has a forward code object of its own: :func:`own_code`). Losses and final parameters of every tierflow arm are
 compared with ``torch.equal`` to plain's. The budget of ``tierflow S`` is S times
 plain's measured peak; ``within`` says whether the arm's measured peak is at most that.
 
@@ -47,8 +46,9 @@ import tierflow.compiled as tc
 class GatedMLP(nn.Module):
     """Pre-norm residual blocks of a SwiGLU-style gated MLP."""
 
-    def __init__(self, d: int, h: int, n: int) -> None:
+    def __init__(self, d: int, h: int, n: int, graph_break: bool = False) -> None:
         super().__init__()
+        self.graph_break = graph_break
         self.blocks = nn.ModuleList(
             nn.ModuleDict({"ln": nn.LayerNorm(d), "g": nn.Linear(d, h), "u": nn.Linear(d, h), "o": nn.Linear(h, d)})
             for _ in range(n)
@@ -56,10 +56,19 @@ class GatedMLP(nn.Module):
         self.head = nn.Linear(d, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
+        half = len(self.blocks) // 2
+        x = self.run_blocks(x, self.blocks[:half])
+        if self.graph_break:  # outside the loops: Dynamo skips a frame that breaks inside one
+            torch._dynamo.graph_break()
+        x = self.run_blocks(x, self.blocks[half:])
+        return self.head(x).float().pow(2).mean()
+
+    @staticmethod
+    def run_blocks(x: torch.Tensor, blocks: nn.ModuleList) -> torch.Tensor:
+        for b in blocks:
             y = b["ln"](x)
             x = x + b["o"](nn.functional.silu(b["g"](y)) * b["u"](y))
-        return self.head(x).float().pow(2).mean()
+        return x
 
 
 @dataclass
@@ -69,19 +78,25 @@ class Workload:
     batch: Callable[[int], Any]  # step -> inputs
     loss: Callable[[Callable[..., Any], Any], torch.Tensor]  # (callable model, inputs) -> loss
     note: str = ""
+    compile_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def workload(name: str, device: torch.device, quick: bool) -> Workload:
     torch.manual_seed(0)
-    if name == "mlp":
+    if name in ("mlp", "mlp-break", "mlp-dynamic"):
         d, h, n, b, s = (128, 512, 4, 4, 128) if quick else (256, 1024, 6, 8, 256)
-        model = GatedMLP(d, h, n).to(device)
+        model = GatedMLP(d, h, n, graph_break=name == "mlp-break").to(device)
+        # mlp-dynamic: the sequence length changes every step (3 lengths, compiled dynamic=True)
+        seqs = (s, s + s // 4, s + s // 2) if name == "mlp-dynamic" else (s,)
 
         def batch(i: int) -> torch.Tensor:
             g = torch.Generator().manual_seed(100 + i)
-            return torch.randn(b, s, d, generator=g).to(device)
+            return torch.randn(b, seqs[i % len(seqs)], d, generator=g).to(device)
 
-        return Workload(f"gated-mlp d{d} h{h} x{n}, batch {b}x{s}", model, batch, lambda f, x: f(x))
+        what = {"mlp": "", "mlp-break": ", a graph break after half the blocks",
+                "mlp-dynamic": f", dynamic=True, seq cycling {seqs} (peak at {seqs[2 % len(seqs)]})"}[name]
+        return Workload(f"gated-mlp d{d} h{h} x{n}, batch {b}x{s}{what}", model, batch, lambda f, x: f(x),
+                        compile_kwargs={"dynamic": True} if name == "mlp-dynamic" else {})
     if name in ("gpt2", "gpt2-small"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -99,7 +114,7 @@ def workload(name: str, device: torch.device, quick: bool) -> Workload:
 
         return Workload(f"HF GPT-2 {layers}L w{width}, batch {b}x{s} (from a config, dropout 0)", model, batch,
                         lambda f, ids: f(input_ids=ids, labels=ids).loss)
-    raise SystemExit(f"unknown model {name!r} (mlp, gpt2, gpt2-small)")
+    raise SystemExit(f"unknown model {name!r} (mlp, mlp-break, mlp-dynamic, gpt2, gpt2-small)")
 
 
 def allocator_peak(step: Callable[[], Any], device: torch.device | None = None) -> int:
@@ -148,27 +163,46 @@ class Arm:
         self.losses.append(loss.item())
 
 
+_ARMS = iter(range(1, 1 << 30))
+
+
+def own_code(m: nn.Module) -> nn.Module:
+    """``m`` as an instance of a subclass whose ``forward`` has a code object of its own.
+
+    Dynamo keeps compiled graphs per code object, with guards that copies of one model
+    class all pass (parameters are graph inputs): copies compiled differently would run
+    each other's graphs. A code object per arm keeps each arm's graphs its own."""
+    k = next(_ARMS)
+    cls = type(m)
+    fwd = cls.forward
+    code = fwd.__code__.replace(co_name=f"forward_arm{k}")
+    new_fwd = type(fwd)(code, fwd.__globals__, f"forward_arm{k}", fwd.__defaults__, fwd.__closure__)
+    new_fwd.__kwdefaults__ = fwd.__kwdefaults__
+    m.__class__ = type(f"{cls.__name__}Arm{k}", (cls,), {"forward": new_fwd})
+    return m
+
+
 def make_arms(w: Workload, shares: list[float], ambs: list[float], headroom: float = 0.1) -> list[Callable[[], Arm]]:
-    """One maker per arm: each arm is built (and compiled) only when it runs."""
+    """One maker per arm (each model copy with its own forward code: :func:`own_code`)."""
 
     def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
-        m = copy.deepcopy(w.model)
+        m = own_code(copy.deepcopy(w.model))
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
 
     def plain() -> Arm:
         m, o = fresh()
         counter = tc.CallCounter("inductor")
-        return Arm("plain", m, torch.compile(m, backend=counter), o, counter)
+        return Arm("plain", m, torch.compile(m, backend=counter, **w.compile_kwargs), o, counter)
 
     def tierflow_arm(s: float) -> Arm:
         m, o = fresh()
-        run = tc.compile(m, budget=s, backend="inductor", headroom=headroom)
+        run = tc.compile(m, budget=s, backend="inductor", headroom=headroom, **w.compile_kwargs)
         return Arm(f"tierflow {s:.0%}", m, run.model, o, run)
 
     def amb(b: float) -> Arm:
         m, o = fresh()
         counter = tc.CallCounter("inductor")
-        arm = Arm(f"amb {b}", m, torch.compile(m, backend=counter), o, counter)
+        arm = Arm(f"amb {b}", m, torch.compile(m, backend=counter, **w.compile_kwargs), o, counter)
         arm.first_call = lambda: torch._functorch.config.patch(activation_memory_budget=b)
         return arm
 
@@ -180,14 +214,14 @@ def gc_arms(w: Workload, peak_of_gc: Callable[[], int]) -> list[Callable[[], Arm
     with that arm's measured peak as its byte budget."""
 
     def gc() -> Arm:
-        m = copy.deepcopy(w.model)
+        m = own_code(copy.deepcopy(w.model))
         m.gradient_checkpointing_enable()
         counter = tc.CallCounter("inductor")
         return Arm("gradient_checkpointing", m, torch.compile(m, backend=counter),
                    torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False), counter)
 
     def at_gc() -> Arm:
-        m = copy.deepcopy(w.model)
+        m = own_code(copy.deepcopy(w.model))
         run = tc.compile(m, budget=peak_of_gc(), backend="inductor")
         return Arm("tierflow @ checkpointing peak", m, run.model,
                    torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False), run)
@@ -195,30 +229,27 @@ def gc_arms(w: Workload, peak_of_gc: Callable[[], int]) -> list[Callable[[], Arm
     return [gc, at_gc]
 
 
-def run_arm(make: Callable[[], Arm], w: Workload, args: argparse.Namespace) -> Arm:
-    """Warm-up (compiling) steps, one profiled step, timed steps; Dynamo reset first.
-
-    Arms run one after the other, not interleaved: Dynamo keeps compiled graphs per code
-    object, and copies of one model class share theirs (parameters are graph inputs), so
-    interleaved arms would run each other's graphs."""
-    torch._dynamo.reset()
+def prepare_arm(make: Callable[[], Arm], w: Workload, args: argparse.Namespace) -> Arm:
+    """Build the arm, run its warm-up (compiling) steps and one profiled step."""
     a = make()
-    i = 0
     t0 = time.perf_counter()
-    for _ in range(args.warmup):
+    for i in range(args.warmup):
         if a.first_call is not None:
             with a.first_call():
                 a.step(w, i)
             a.first_call = None
         else:
             a.step(w, i)
-        i += 1
     a.compile_s = time.perf_counter() - t0
-    a.peak = allocator_peak(lambda: a.step(w, i), next(a.model.parameters()).device)
+    a.peak = allocator_peak(lambda: a.step(w, args.warmup), next(a.model.parameters()).device)
     print(f"  {a.name}: first steps {a.compile_s:.1f} s, peak {a.peak / 2**20:.1f} MiB", flush=True)
-    i += 1
-    cuda = next(a.model.parameters()).device.type == "cuda"
-    for _ in range(args.steps):
+    return a
+
+
+def timed_round(arms: list[Arm], w: Workload, i: int) -> None:
+    """One timed step of every arm, in turn (load changes hit all arms alike)."""
+    for a in arms:
+        cuda = next(a.model.parameters()).device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -226,18 +257,19 @@ def run_arm(make: Callable[[], Arm], w: Workload, args: argparse.Namespace) -> A
         if cuda:
             torch.cuda.synchronize()
         a.times.append(time.perf_counter() - t0)
-        i += 1
-    return a
 
 
 def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     w = workload(name, device, args.quick)
     shares = [float(s) for s in args.shares.split(",")]
     ambs = [float(b) for b in args.ambs.split(",")] if args.ambs else []
-    arms = [run_arm(make, w, args) for make in make_arms(w, shares, ambs, args.headroom)]
+    torch._dynamo.reset()
+    arms = [prepare_arm(make, w, args) for make in make_arms(w, shares, ambs, args.headroom)]
     if args.checkpointing and name.startswith("gpt2"):
         for make in gc_arms(w, lambda: arms[-1].peak):
-            arms.append(run_arm(make, w, args))
+            arms.append(prepare_arm(make, w, args))
+    for k in range(args.steps):
+        timed_round(arms, w, args.warmup + 1 + k)
     plain = arms[0]
     rows = []
     for a in arms:
@@ -246,6 +278,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
             "arm": a.name, "peak_bytes": a.peak, "peak_over_plain": a.peak / plain.peak,
             "step_s": statistics.median(a.times), "x_plain": statistics.median(a.times) / statistics.median(plain.times),
             "compiled_calls": calls, "plain_calls": plain.handle.calls,
+            "graphs_compiled": getattr(a.handle, "compiles", getattr(a.handle, "graphs", None)),
             "first_steps_s": round(a.compile_s, 2),
         }
         if a.name.startswith("tierflow"):
@@ -285,8 +318,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
 
 def print_rows(res: dict[str, Any]) -> None:
     print(f"\n{res['model']}")
-    print("| arm | peak MiB | x plain peak | budget MiB | within | step s | x plain | calls (plain) | bitwise |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| arm | peak MiB | x plain peak | budget MiB | within | step s | x plain | calls (plain) | graphs | bitwise |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         bud = f"{r['budget_bytes'] / 2**20:.1f}" if "budget_bytes" in r else ""
         bit = ""
@@ -296,12 +329,12 @@ def print_rows(res: dict[str, Any]) -> None:
         within = {True: "yes", False: "NO"}.get(r.get("within"), "")
         over = f"{r['peak_over_plain']:.2f}" if "peak_over_plain" in r else ""
         print(f"| {r['arm']} | {r['peak_bytes'] / 2**20:.1f} | {over} | {bud} | {within} | {r['step_s']:.3f} | "
-              f"{r['x_plain']:.2f} | {calls} | {bit} |")
+              f"{r['x_plain']:.2f} | {calls} | {r.get('graphs_compiled', '')} | {bit} |")
         for g in r.get("graphs", []):
             print(f"|  graph {g['index']}: saved {g['saved']} ({g['saved_bytes'] / 2**20:.1f} MiB), kept {g['kept']}, "
                   f"offloaded {g['offloaded']} ({g['offloaded_bytes'] / 2**20:.1f} MiB), recomputed {g['recomputed']}; "
                   f"trace peak {g['predicted_peak_bytes'] / 2**20:.1f} -> {g['predicted_peak_bytes_planned'] / 2**20:.1f} MiB"
-                  " | | | | | | | | |")
+                  " | | | | | | | | | |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,8 +350,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="gpt2: also HF gradient_checkpointing_enable() compiled, and tierflow at its peak")
     ap.add_argument("--quick", action="store_true", help="small models (the CPU dry run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared, loaded CPU, more threads than free cores "
+                    "makes inductor's OpenMP kernels wait on each other, and step times swing by 5x)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64
     device = torch.device(args.device)
     out = {"torch": torch.__version__, "device": str(device), "results": []}

@@ -9,11 +9,11 @@ as its partitioner: the plan is made from the graph's own saved set when the gra
 compiled, so a compiled call under tierflow is one compiled call (no eager fallback,
 no second pass).
 
-The budget: a share (``"50%"``, ``0.5``) is a share of each graph's own peak, as its
-trace predicts it (:mod:`tierflow.compiled.graph_trace`: bytes above the step's start,
-parameters and inputs left out), so a model split by graph breaks gets the same share
-of each graph's peak; bytes (an int, ``"2GiB"``) are split between graphs in proportion
-to their predicted peaks, in the order they compile.
+The budget: a share (``"50%"``, ``0.5``) is a share of the compiled model's own peak, as
+its graphs' traces predict it (:mod:`tierflow.compiled.graph_trace`: bytes above the
+step's start, parameters and inputs left out); bytes (an int, ``"2GiB"``) are the same
+limit given directly. With graph breaks, a later graph's target leaves out what the
+earlier graphs keep saved (see :meth:`CompiledOffload._target`).
 
 When this torch lacks the partitioner hook, :func:`compile` falls back to the eager
 runtime (:func:`tierflow.offload`) and says so once.
@@ -205,7 +205,6 @@ class CompiledOffload:
         self.graphs: list[GraphReport] = []
         self.records: list[PartitionRecord] = []
         self.compiles = 0
-        self._bytes_left = budget.bytes
         self.model = torch.compile(model, backend=self._compile, **compile_kwargs)
 
     # -- the torch.compile backend ----------------------------------------------------
@@ -215,7 +214,8 @@ class CompiledOffload:
         self.compiles += 1
         partitioner = PlanPartitioner(
             decide=lambda facts: self._decide(facts, report),
-            key=f"{self.budget.key()}:graph={report.index}",
+            # Everything the target depends on besides the graph (see _target).
+            key=f"{self.budget.key()}:graph={report.index}:headroom={self.headroom}:carried={self._carried(report)}",
             on_partition=lambda rec: self._partitioned(rec, report),
             slot_base=report.index * SLOTS_PER_GRAPH,
         )
@@ -223,22 +223,31 @@ class CompiledOffload:
         fn = _compile_graph(gm, example_inputs, self.backend_name, partitioner)
         return _Counted(fn, report, self._pending)
 
-    def _target(self, facts: GraphFacts) -> int | None:
-        # The trace sees each graph's tensors, not the allocator's rounding, the tokens,
-        # nor what runs between graphs (the loss, autograd's buffers, the optimizer):
-        # plans aim ``headroom`` below the budget.
+    def _carried(self, report: GraphReport) -> tuple[int, int]:
+        """Bytes earlier graphs keep saved, and would save unplanned, while ``report``'s runs."""
+        earlier = [g for g in self.graphs if g.index < report.index and g.calls == 1]
+        return (sum(g.saved_bytes - g.offloaded_bytes for g in earlier), sum(g.saved_bytes for g in earlier))
+
+    def _target(self, facts: GraphFacts, report: GraphReport) -> int | None:
+        """What graph ``report`` may hold live, on its trace.
+
+        A graph compiled after another one ran in the same step (a graph break) runs
+        while the earlier graphs' kept saved tensors are live: they count against the
+        budget, and the model's own peak includes their unplanned saved bytes. An
+        earlier graph counts as still holding them when it has run once (Dynamo's
+        recompile at a later step is then counted too: a tighter target, never a
+        looser one). The trace sees each graph's tensors, not the allocator's rounding,
+        the tokens, nor what runs between graphs: plans aim ``headroom`` below."""
         keep = 1.0 - self.headroom
+        carried_kept, carried_plain = self._carried(report)
         if self.budget.share is not None:
-            return int(facts.peak_bytes * self.budget.share * keep)
+            return max(0, int(keep * self.budget.share * (facts.peak_bytes + carried_plain)) - carried_kept)
         if self.budget.bytes is not None:
-            return int(keep * min(self.budget.bytes, self._bytes_left if self._bytes_left is not None else 0))
+            return max(0, int(keep * self.budget.bytes) - carried_kept)
         return None
 
     def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
-        plan = plan_graph(facts, self._target(facts))
-        if self.budget.bytes is not None and self._bytes_left is not None:
-            self._bytes_left = max(0, self._bytes_left - plan.predicted_peak_bytes)
-        return plan
+        return plan_graph(facts, self._target(facts, report))
 
     def _partitioned(self, rec: PartitionRecord, report: GraphReport) -> None:
         self.records.append(rec)

@@ -74,7 +74,7 @@ class PartitionRecord:
     saved_after: int = 0
 
 
-_PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py")
+_PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py")
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
