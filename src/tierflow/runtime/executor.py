@@ -471,10 +471,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._quiet = True
             try:
                 if self.plan is not None and not self._need_profile:
-                    held = self.stats.held_replans
                     self._check_held()  # the loop holds more than when profiled: profile again
-                    if self.stats.held_replans > held:
-                        self._plan_why = "held"
                 self._choose_plan(signature_of(args, kwargs or {}, module.training))
                 self._begin()
                 if self._dominated:  # (its op times are not the plan's trace's to re-time it with)
@@ -884,8 +881,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 if e.key != want:
                     self._mark_stale(f"op {i}: tensor {tid} is {e.label}, the trace has {want}")
                     return False
-            elif e.nbytes != want and not e.foreign and not (self._dominated and e.nbytes <= want):
-                # (a foreign size is FSDP's: see _check_outs; a dominated iteration's may be smaller)
+            elif e.nbytes != want and self._size_departs(e, want):
                 self._mark_stale(f"op {i}: tensor {tid} has {e.nbytes} bytes, the trace has {want}")
                 return False
             entries[tid] = e
@@ -905,15 +901,21 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             e.external = True
             self._lru.pop(e.cdata, None)
 
+    def _size_departs(self, e: _Entry, want: int) -> bool:
+        """Whether ``e``, whose size is not the trace's ``want`` (the caller compares
+        first: sizes are equal on nearly every op), departs from the trace: not a foreign
+        storage (its size is FSDP's, accounted when looked at, ``_sync_foreign``), and not
+        a smaller tensor of an iteration following a larger signature's plan
+        (runtime/signatures.py)."""
+        return not e.foreign and not (self._dominated and e.nbytes <= want)
+
     def _check_outs(self, i: int, outs: list[_Entry]) -> None:
         """Op ``i``'s results against the trace: as many, of the same sizes (what the
         budget depends on); then the ones the plan names are bound."""
         sizes = self._out_sizes[i]
         # (a foreign storage's size is its owner's, FSDP's: it changes when FSDP frees or
         # gathers it, not with the op, and is accounted when looked at, _sync_foreign)
-        dom = self._dominated  # (a larger signature's plan: no tensor may be larger than its trace's)
-        if len(outs) != len(sizes) or any(e.nbytes != n and not e.foreign and not (dom and e.nbytes <= n)
-                                          for e, n in zip(outs, sizes)):
+        if len(outs) != len(sizes) or any(e.nbytes != n and self._size_departs(e, n) for e, n in zip(outs, sizes)):
             self._mark_stale(f"op {i}: {self.trace.ops[i].name} made {[e.nbytes for e in outs]} bytes, "
                              f"the trace has {self._out_sizes[i]}")
         elif self._bind_out[i] is not None:
@@ -1013,8 +1015,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 elif e.ref() is None:  # (a new storage at the address of one that died in the op)
                     e = entry(t, self._op_labels[i])
                 k = len(outs)
-                if same and (k >= len(sizes) or (sizes[k] != e.nbytes and not e.foreign
-                                                 and not (self._dominated and e.nbytes <= sizes[k]))):
+                if same and (k >= len(sizes) or (sizes[k] != e.nbytes and self._size_departs(e, sizes[k]))):
                     same = False
                 outs.append(e)
             if spots:  # (most ops write no argument; in place ones write one, ``self``)
@@ -1032,8 +1033,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     if written:
                         self._account_written(written, outs, self._op_labels[i])
                 for k in range(k0, len(outs)):  # (the trace's results include what it wrote)
-                    if k >= len(sizes) or (sizes[k] != outs[k].nbytes and not outs[k].foreign
-                                           and not (self._dominated and outs[k].nbytes <= sizes[k])):
+                    if k >= len(sizes) or (sizes[k] != outs[k].nbytes and self._size_departs(outs[k], sizes[k])):
                         same = False
             if not same or len(outs) != len(sizes):
                 self._check_outs(i, outs)  # (a departure: it says how)

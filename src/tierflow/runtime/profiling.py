@@ -213,7 +213,7 @@ class Profiling:
         self._reap()
         now = sum(e.nbytes for e in self._held_entries())
         if now - self._held_baseline > _HELD_MARGIN * self.stats.budget_bytes:
-            self._need_profile = True
+            self._need_profile, self._plan_why = True, "held"  # (stats.plans_by_reason)
             self.stats.held_replans += 1
 
     def _build_trace(self) -> Trace:
