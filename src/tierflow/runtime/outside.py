@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .storages import RESIDENT, _Entry
+from .storages import RESIDENT, _Entry, _storage_id
 
 
 class OutsideWork:
@@ -91,6 +91,8 @@ class CheckpointGuard:
     def install(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         # (a plain function: torch marks a public hook with an attribute, which a bound
         # method cannot take)
+        # NOTE: a partial, not the bound method: torch marks the hook it is given with an
+        # attribute (``_from_public_api``), which a bound method cannot hold
         hook = functools.partial(CheckpointGuard._module_hook, self)
         for m in model.modules():
             self._handles.append(m.register_state_dict_post_hook(hook))
@@ -145,7 +147,7 @@ class CheckpointGuard:
         run = self._run
         if not run._open or getattr(t, run._dev_attr) is not True:
             return None
-        e = run._entries.get(t.untyped_storage()._cdata)
+        e = run._entries.get(_storage_id(t))
         if e is None or e.ref() is None or (e.state is RESIDENT and e.arrival is None):
             return None
         return e
