@@ -91,8 +91,6 @@ class CheckpointGuard:
     def install(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         # (a plain function: torch marks a public hook with an attribute, which a bound
         # method cannot take)
-        # NOTE: a partial, not the bound method: torch marks the hook it is given with an
-        # attribute (``_from_public_api``), which a bound method cannot hold
         hook = functools.partial(CheckpointGuard._module_hook, self)
         for m in model.modules():
             self._handles.append(m.register_state_dict_post_hook(hook))
