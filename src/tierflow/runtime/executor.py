@@ -68,7 +68,6 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
 from ..units import parse_bytes
-from . import tiers
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .homecoming import bring_home
@@ -101,8 +100,7 @@ from .storages import (
     _written_args,
     _written_at,
 )
-from .streams import Copier
-from .tiers import HostPool, SSDStore
+from .tier_set import Tiers
 
 PolicyArg = str | Callable[[Trace, Hardware, float], Plan]
 
@@ -289,42 +287,18 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def __enter__(self) -> Run:
         model_bytes = sum(_storage_bytes(t) for t in self._state_tensors())
-        # The host pool: host_bytes, a fixed size allocated now; by default it grows by
-        # chunks as evictions need room, and after planning to the plan's host peak, up
-        # to the host's available memory less a margin (the planner is told that bound).
-        pin = self.device.type == "cuda"
-        if self._host_bytes is not None:
-            self._host = HostPool(parse_bytes(self._host_bytes), pin=pin, fixed=True)
-        else:
-            # NOTE: ranks on one host (torchrun sets LOCAL_WORLD_SIZE) share its memory
-            bound = tiers.host_memory_bound() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-            if not self._cuda and math.isfinite(self.budget):
-                # NOTE: in CPU mode the "device" is host RAM too: what the iteration keeps
-                # there (up to the budget) beyond the model state, already allocated, is
-                # not the pool's to take
-                bound -= max(int(self.budget) - model_bytes, 0)
-            self._host = HostPool(max(bound, 0), pin=pin)
-        self._memmove = self.device.type == "cpu"  # (moves.Moves: host moves by memmove)
-        self._ssd: SSDStore | None = None
-        if self._ssd_dir is not None:
-            # the SSD file's default: weights, gradients and two Adam moments, plus the
-            # budget's worth of activations
-            default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
-            cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default
-            # (ssd_bytes: a fixed size; by default the file starts there and grows, up to
-            # the disk's free space less a margin)
-            limit = None if self._ssd_bytes is not None else tiers.disk_bound(self._ssd_dir)
-            self._ssd = SSDStore(self._ssd_dir, cap, bounce_bytes=min(max(cap // 4, 16 << 20), 256 << 20),
-                                 workers=self._io_workers, pin=self.device.type == "cuda", limit=limit)
-        self.stats.ssd_bounce_bytes = self._ssd.bounce.capacity if self._ssd else 0
-        self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes)
-        self._copier = Copier(self.device)
-        self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
+        # the tiers and the copies: one component owns them (runtime/tier_set.py)
+        self._tiers = Tiers.open(self.device, budget=self.budget, model_bytes=model_bytes,
+                                 host_bytes=self._host_bytes, ssd_dir=self._ssd_dir, ssd_bytes=self._ssd_bytes,
+                                 io_workers=self._io_workers)
+        self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes, ssd_bounce_bytes)
+        self.stats.blocking_waits = self._tiers.copier.waits  # (the same dict: counted as they happen)
+        # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
+        self._frees = self._tiers.frees
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
         self._by_key: dict[str, _Entry] = {}
         self._dead: deque[int] = deque()
-        self._frees: deque[tuple[Any, Any, int, int]] = deque()  # (event, arena, off, n)
         self._writes: list[_Entry] = []
         self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room
         self._device_bytes = 0  # accounted: resident storages and those still leaving
@@ -409,7 +383,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             return
         self._open = False
         self._quiet = True
-        self._copier.waits = {}  # (bringing everything home waits by design: not counted)
+        self._tiers.stop_counting_waits()  # (bringing everything home waits by design)
         errors: list[str] = []
         try:
             if self._hook is not None:  # (an iteration followed at ticks, cut short: the mode back)
@@ -432,7 +406,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # they fit, else on the host (runtime/homecoming.py)
             self.stats.state_after_block = bring_home(self, errors)
             self._drain_writes(raise_errors=False)
-            self._copier.drain()
+            self._tiers.copier.drain()
             self._reap()
             if not self._in_iter and self._outside_ran:  # (validation after the last step)
                 self._fold_outside_peak()
@@ -444,11 +418,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             if self._sync is not None:
                 self._sync.close()
                 self._sync = None
-            self.stats.host_pool_peak = self._host.arena.peak
             self._tiers_sized()
-            self._host.close()
-            if self._ssd is not None:
-                self._ssd.close()
+            self.stats.host_pool_peak = self._tiers.close()
             self._entries.clear()
             self._lru.clear()
             self._by_key.clear()
@@ -1135,10 +1106,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def tier_usage(self) -> dict[str, int]:
         """Bytes in use right now: ``device`` (accounted), ``host`` (pool slots),
         ``ssd`` (file slots), ``bounce`` (SSD staging)."""
-        out = {"device": self._device_bytes, "host": self._host.arena.used}
-        if self._ssd is not None:
-            out["ssd"], out["bounce"] = self._ssd.arena.used, self._ssd.bounce.used
-        return out
+        return {"device": self._device_bytes, **self._tiers.usage()}
 
     @property
     def device_bytes(self) -> int:

@@ -211,9 +211,9 @@ class PlanFollowing:
             return {}
         from ..pool import from_trace, solve
 
-        arenas = {"host": self._host.arena}
-        if self._ssd is not None:
-            arenas["ssd"] = self._ssd.arena
+        arenas = {"host": self._tiers.host.arena}
+        if self._tiers.ssd is not None:
+            arenas["ssd"] = self._tiers.ssd.arena
         layout: dict[tuple[int, int, str], int] = {}
         self._layout_need = {}  # runtime tier -> (bytes the layout spans, its largest slot)
         free = _uncapped(hw)  # (a plan over a tier's capacity is laid out too: _fit_tiers says so)
@@ -247,7 +247,7 @@ class PlanFollowing:
             OffloadError: the host pool (and the SSD file, where there is one) cannot hold
                 what the plan needs.
         """
-        pool, ssd = self._host, self._ssd
+        pool, ssd = self._tiers.host, self._tiers.ssd
         layout = getattr(self, "_layout_need", {})
         if plan.reactive:
             room = plan.budget_bytes if math.isfinite(plan.budget_bytes) else self.budget  # (less what the loop holds)
@@ -301,12 +301,7 @@ class PlanFollowing:
         is told. Under several ranks, the smallest any rank has (every rank keeps to it):
         the ranks plan for one machine, and each measured its free memory at its own
         moment."""
-        pool, ssd = self._host, self._ssd
-        if self._sync is not None:
-            pool.limit = int(self._sync.min(pool.limit))
-            if ssd is not None:
-                ssd.limit = max(ssd.capacity, int(self._sync.min(ssd.limit)))
-        return pool.limit, (ssd.limit if ssd is not None else 0)
+        return self._tiers.agree_limits(self._sync.min if self._sync is not None else None)
 
     def _planned_host_bytes(self, trace: Trace, plan: Any) -> int:
         """The most bytes a planned plan keeps on its host tiers at once, by the

@@ -130,7 +130,7 @@ def _rehome_on_host(run: Any, errors: list[str]) -> int:
                 except TierflowError as err:
                     errors.append(str(err))
                     continue
-                run._copier.drain()
+                run._tiers.copier.drain()
             st = t.untyped_storage()
             # (a copy also in CPU mode, where .cpu() would return the same storage)
             n = st.nbytes()

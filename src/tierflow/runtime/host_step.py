@@ -559,14 +559,14 @@ class HostSteps:
                 self._make_room(ge.nbytes, [ge])
                 self._ensure_resident(ge)
             if ge.arrival is not None:
-                self._copier.wait(ge.arrival)
+                self._tiers.copier.wait(ge.arrival)
                 ge.arrival = None
             gst = ge.ref()
             n = ge.nbytes
             if _whole(g, n) and n == hp.grad_buf.numel() * hp.grad_buf.element_size():
                 home = _u8(hp.grad_buf.untyped_storage(), n)
                 src = _u8(gst, n)
-                ev = self._copier.copy(home, src, src)
+                ev = self._tiers.copier.copy(home, src, src)
                 events.append(ev)
                 del src
                 if ge.resizable and not ge.pins and not ge.foreign:
@@ -575,7 +575,7 @@ class HostSteps:
                     self._leave(ev, n)  # (counted until the copy has read it)
                     self._lru.pop(ge.cdata, None)
             else:  # (a view into a larger gradient buffer: copied, left where it is)
-                events.append(self._copier.copy(hp.grad_buf, g.detach(), g))
+                events.append(self._tiers.copier.copy(hp.grad_buf, g.detach(), g))
             self._count("device->host", "host", hp.grad_buf.numel() * hp.grad_buf.element_size())
             ge.synced = True  # (an op that writes it from here on makes this copy stale)
         else:  # (not on the device: a CPU gradient of a CUDA model)
@@ -595,10 +595,10 @@ class HostSteps:
                 self._make_room(e.nbytes, [e])
                 self._ensure_resident(e)
             if e.arrival is not None:
-                self._copier.wait(e.arrival)
+                self._tiers.copier.wait(e.arrival)
                 e.arrival = None
             src = _u8(e.ref(), e.nbytes)
-            hp.events.append(self._copier.copy(e.home, src, src))
+            hp.events.append(self._tiers.copier.copy(e.home, src, src))
             self._count("device->host", "host", e.nbytes)
             e.synced = True
 
@@ -639,7 +639,7 @@ class HostSteps:
         if e.state == RESIDENT:
             st = e.ref()
             if e.arrival is not None:
-                self._copier.wait(e.arrival)
+                self._tiers.copier.wait(e.arrival)
                 e.arrival = None
             st.resize_(0)
             self._device_bytes -= e.nbytes

@@ -5,7 +5,8 @@ An eviction copies the storage's bytes out (host pool slot, or SSD bounce slot t
 asynchronous file write) and shrinks the storage to zero bytes; a fetch grows it back
 and copies the bytes in. Copies go through :class:`~tierflow.runtime.streams.Copier`
 (one side stream on CUDA, at once on CPU); slots are released only when the copy that
-reads them has completed (``_frees``), and an SSD write is retired when its future
+reads them has completed (the back-end's queue, :meth:`Tiers.release_after
+<tierflow.runtime.tier_set.Tiers.release_after>`), and an SSD write is retired when its future
 says so (``_writes``). An I/O error never loses bytes: a failed write restores the
 tensor from its bounce slot, a failed read leaves it in the file.
 """
@@ -52,10 +53,10 @@ def left_as_it_was(run: Any, names: tuple[str, ...]) -> Iterator[None]:
 class Moves:
     """Evictions, fetches and their bookkeeping (a mixin of :class:`~tierflow.runtime.executor.Run`).
 
-    NOTE: in CPU mode a move between the device's storage and the host pool is one
-    ``memmove`` between their addresses (``_memmove``): both are plain RAM, and a byte
-    view of each plus a ``copy_`` cost several times the copy itself for the tens of
-    kilobytes most moves carry. On CUDA every copy goes through the side stream.
+    The tiers, the copier and the slots waiting for their copies are the back-end's
+    (:class:`~tierflow.runtime.tier_set.Tiers`, ``self._tiers``): this mixin asks it for
+    slots and copies and never reassigns its parts. In CPU mode a host move is one
+    ``memmove`` (``Tiers.memmove``).
     """
 
     def _make_room(self, need: int, keep: list[_Entry]) -> None:
@@ -113,17 +114,16 @@ class Moves:
     def _grow_host(self, nbytes: int) -> bool:
         """Add a chunk to the host pool for a slot of ``nbytes`` (False where the pool is
         fixed or at its limit); the stats follow the pool's size."""
-        if not self._host.grow(nbytes):
+        if not self._tiers.grow_host(nbytes):
             return False
         self._tiers_sized()
         return True
 
     def _tiers_sized(self) -> None:
         """The stats of the tiers' sizes, as they are now (both may grow)."""
-        self.stats.host_pool_bytes = self._host.capacity
-        self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd is not None else 0
-        self.stats.pinned_bytes = self._host.pinned_bytes + (
-            self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
+        sizes, st = self._tiers.sizes(), self.stats
+        st.host_pool_bytes, st.ssd_file_bytes = sizes.host_pool_bytes, sizes.ssd_file_bytes
+        st.pinned_bytes, st.ssd_bounce_bytes = sizes.pinned_bytes, sizes.ssd_bounce_bytes
 
     def _untracked_now(self) -> int:
         """CUDA: device bytes in use now that no tracked storage explains, above what the
@@ -158,13 +158,14 @@ class Moves:
                 if not (every or (need is not None and self._device_bytes + need > self.budget)):
                     break
                 if not every:
-                    self._copier.count_wait("eviction in flight")
+                    self._tiers.copier.count_wait("eviction in flight")
                 ev.synchronize()
             lv.popleft()
             self._device_bytes -= n
             self._leaving_bytes -= n
 
     def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
+        tiers = self._tiers
         st = e.ref()
         if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
             return False
@@ -178,23 +179,23 @@ class Moves:
             self._sync_foreign()
             return False
         n = e.nbytes
-        if tier == "ssd" and self._ssd is None:
+        if tier == "ssd" and tiers.ssd is None:
             tier = "host"
             self.stats.tier_fallbacks += 1
         if tier == "host":
-            off = self._host.arena.alloc_at(slot, n) if slot is not None else None
+            off = tiers.host.arena.alloc_at(slot, n) if slot is not None else None
             if off is not None:
                 self.stats.planned_slots += 1
             else:
-                off = self._host.arena.alloc(n)
+                off = tiers.host.arena.alloc(n)
             if off is None:
                 self._wait_for_transfers("pool full")
-                off = self._host.arena.alloc(n)
+                off = tiers.host.arena.alloc(n)
             if off is None and self._grow_host(n):
-                off = self._host.arena.alloc(n)
+                off = tiers.host.arena.alloc(n)
             if off is None:
-                if self._ssd is None:
-                    pool = self._host
+                if tiers.ssd is None:
+                    pool = tiers.host
                     fix = ("pass a larger host_bytes, or an ssd_dir to spill to" if pool.fixed else
                            f"the pool may grow to {fmt_bytes(pool.limit)}, the host's available memory less "
                            "a margin: pass an ssd_dir to spill to, or a larger budget")
@@ -205,32 +206,32 @@ class Moves:
                 tier = "ssd"
                 self.stats.tier_fallbacks += 1
         if e.arrival is not None:  # it is still arriving: the copy out must follow the copy in
-            self._copier.wait(e.arrival)
+            tiers.copier.wait(e.arrival)
             e.arrival = None
-        if tier == "host" and self._memmove:
-            ctypes.memmove(self._host.address(off), st.data_ptr(), n)
+        if tier == "host" and tiers.memmove:
+            ctypes.memmove(tiers.host.address(off), st.data_ptr(), n)
             e.slot = off
         elif tier == "host":
             src = _u8(st, n)
-            ev = e.departure = self._copier.copy(self._host.view(off, n), src, src)
+            ev = e.departure = tiers.copier.copy(tiers.host.view(off, n), src, src)
             del src
             e.slot = off
         else:
             src = _u8(st, n)
-            assert self._ssd is not None
-            foff = self._ssd.alloc_file(n, e.label, at=slot)
+            assert tiers.ssd is not None
+            foff = tiers.ssd.alloc_file(n, e.label, at=slot)
             if slot is not None and foff == slot:
                 self.stats.planned_slots += 1
             boff = self._bounce_alloc(n)
-            ev = self._copier.copy(self._ssd.bounce_view(boff, n), src, src)
+            ev = tiers.copier.copy(tiers.ssd.bounce_view(boff, n), src, src)
             before = (lambda ev=ev: ev.synchronize()) if ev is not None else None
             e.slot, e.bounce = foff, boff
-            e.io = self._ssd.submit(True, boff, foff, n, before)
+            e.io = tiers.ssd.submit(True, boff, foff, n, before)
             self._writes.append(e)
             del src
         st.resize_(0)
         e.state, e.tier = AWAY, tier
-        if self._memmove and tier == "host":
+        if tiers.memmove and tier == "host":
             self._device_bytes -= n
         else:
             self._leave(ev, n)
@@ -295,32 +296,34 @@ class Moves:
         return elapsed / moved
 
     def _bounce_alloc(self, n: int) -> int:
-        assert self._ssd is not None
-        off = self._ssd.bounce.alloc(n)
+        tiers = self._tiers
+        assert tiers.ssd is not None
+        off = tiers.ssd.bounce.alloc(n)
         while off is None and self._writes:
             if not self._writes[0].io.done():
-                self._copier.count_wait("bounce full")
+                tiers.copier.count_wait("bounce full")
             self._finish_write(self._writes[0], wait=True)
-            off = self._ssd.bounce.alloc(n)
+            off = tiers.ssd.bounce.alloc(n)
         if off is None:
             self._wait_for_transfers("bounce full")
-            off = self._ssd.bounce.alloc(n)
+            off = tiers.ssd.bounce.alloc(n)
         if off is None:
             raise OffloadError(
-                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(self._ssd.bounce.capacity)}); "
+                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(tiers.ssd.bounce.capacity)}); "
                 "pass a larger ssd_bytes"
             )
         return off
 
     def _prefetch(self, e: _Entry) -> bool:
         """Start bringing ``e`` back; an SSD read proceeds in the background."""
+        tiers = self._tiers
         if e.state != AWAY:
             return False
         if e.tier == "ssd" and e.bounce < 0:
-            assert self._ssd is not None
+            assert tiers.ssd is not None
             boff = self._bounce_alloc(e.nbytes)
             e.bounce = boff
-            e.io = self._ssd.submit(False, boff, e.slot, e.nbytes)
+            e.io = tiers.ssd.submit(False, boff, e.slot, e.nbytes)
             e.state = INCOMING
             return True
         self._fetch(e)
@@ -350,11 +353,12 @@ class Moves:
             # running here is a prefetch that lands late, a stall the GPU sees
             if self._in_iter and self._planned and not self._stale and not Copier.done(e.arrival):
                 self._depart("late prefetch: its copy in had not landed at its use (the GPU waits)")
-            self._copier.wait(e.arrival)
+            self._tiers.copier.wait(e.arrival)
             e.arrival = None
 
     def _fetch(self, e: _Entry) -> None:
         """Bring ``e`` back to the device now (an SSD read in flight is waited for)."""
+        tiers = self._tiers
         st = e.ref()
         n = e.nbytes
         if st is None:
@@ -362,51 +366,51 @@ class Moves:
         if st.nbytes() != 0:  # its owner grew it again while it was away: the bytes are theirs now
             self._drop_away(e, st)
             return
-        if e.tier == "host" and self._memmove:
+        if e.tier == "host" and tiers.memmove:
             st.resize_(n)
-            ctypes.memmove(st.data_ptr(), self._host.address(e.slot), n)
-            self._host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
+            ctypes.memmove(st.data_ptr(), tiers.host.address(e.slot), n)
+            tiers.host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
             ev = None
         elif e.tier == "host":
             st.resize_(n)
             dst = _u8(st, n)
             # (the copy in follows the copy out: two streams, see streams.py)
-            ev = self._copier.copy(dst, self._host.view(e.slot, n), dst, after=e.departure)
+            ev = tiers.copier.copy(dst, tiers.host.view(e.slot, n), dst, after=e.departure)
             e.departure = None
-            self._frees.append((ev, self._host.arena, e.slot, n))
+            tiers.release_after(ev, tiers.host.arena, e.slot, n)
         elif e.tier == "home":  # a host step's buffer (runtime/host_step.py): its update first
             self._host_wait(e)
             st.resize_(n)
             dst = _u8(st, n)
-            ev = self._copier.copy(dst, e.home, dst)
+            ev = tiers.copier.copy(dst, e.home, dst)
             self._host_read(e, ev)
             e.synced = True
         else:
-            assert self._ssd is not None
+            assert tiers.ssd is not None
             if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
                 if e.io is not None and not e.io.done():
-                    self._copier.count_wait("write in flight")
+                    tiers.copier.count_wait("write in flight")
                 self._finish_write(e, wait=True, keep_bounce=True)
             elif e.state == AWAY:
                 e.bounce = self._bounce_alloc(n)
-                e.io = self._ssd.submit(False, e.bounce, e.slot, n)
+                e.io = tiers.ssd.submit(False, e.bounce, e.slot, n)
             if e.io is not None:  # a read
                 if not e.io.done():
-                    self._copier.count_wait("ssd read")
+                    tiers.copier.count_wait("ssd read")
                 try:
                     e.io.result()
                 except OSError as err:
                     e.io = None
-                    self._ssd.bounce.release(e.bounce, n)
+                    tiers.ssd.bounce.release(e.bounce, n)
                     e.bounce, e.state = -1, AWAY
-                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {self._ssd.path} failed: "
+                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {tiers.ssd.path} failed: "
                                    f"{err.strerror or err}; it stays in the file") from None
                 e.io = None
             st.resize_(n)
             dst = _u8(st, n)
-            ev = self._copier.copy(dst, self._ssd.bounce_view(e.bounce, n), dst)
-            self._frees.append((ev, self._ssd.bounce, e.bounce, n))
-            self._ssd.arena.release(e.slot, n)
+            ev = tiers.copier.copy(dst, tiers.ssd.bounce_view(e.bounce, n), dst)
+            tiers.release_after(ev, tiers.ssd.bounce, e.bounce, n)
+            tiers.ssd.arena.release(e.slot, n)
             e.bounce = -1
         e.arrival = ev
         e.state, e.slot = RESIDENT, -1
@@ -429,7 +433,8 @@ class Moves:
     def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
         """Retire an SSD write: release its bounce slot, or on failure put the tensor back
         on the device from the bounce copy and raise :class:`SSDError`."""
-        assert self._ssd is not None
+        tiers = self._tiers
+        assert tiers.ssd is not None
         if e.io is None or (not wait and not e.io.done()):
             return
         try:
@@ -442,23 +447,23 @@ class Moves:
         e.io = None
         if err is None:
             if not keep_bounce:
-                self._ssd.bounce.release(e.bounce, e.nbytes)
+                tiers.ssd.bounce.release(e.bounce, e.nbytes)
                 e.bounce = -1
             return
         # the write failed: nothing is lost, the bytes are still in the bounce slot
         n = e.nbytes
-        self._ssd.arena.release(e.slot, n)
+        tiers.ssd.arena.release(e.slot, n)
         st = e.ref()
         if st is not None:
             st.resize_(n)
-            _u8(st, n).copy_(self._ssd.bounce_view(e.bounce, n))
+            _u8(st, n).copy_(tiers.ssd.bounce_view(e.bounce, n))
             self._device_bytes += n
             if e.kind in OWNED:
                 self._lru[e.cdata] = e
-        self._ssd.bounce.release(e.bounce, n)
+        tiers.ssd.bounce.release(e.bounce, n)
         e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
         raise SSDError(
-            f"SSD write of {e.label} ({fmt_bytes(n)}) to {self._ssd.path} failed: {err.strerror or err}; "
+            f"SSD write of {e.label} ({fmt_bytes(n)}) to {tiers.ssd.path} failed: {err.strerror or err}; "
             "it was restored to the device, model and optimizer state are intact"
         )
 
@@ -481,10 +486,8 @@ class Moves:
         self._retire_dead()
         if self._inflight:
             self._inflight = [r for r in self._inflight if not self._release(r)]
-        while self._frees and (wait or Copier.done(self._frees[0][0])):
-            ev, arena, off, n = self._frees.popleft()
-            Copier.synchronize(ev)
-            arena.release(off, n)
+        if self._frees:
+            self._tiers.reap_frees(wait)
         if self._leaving:
             self._retire_leaving(every=wait)
         for e in list(self._writes):
@@ -501,16 +504,17 @@ class Moves:
         """Block until every copy and SSD write in flight has finished (a buffer is full
         and they hold it), counting the wait if there was one."""
         if self._frees or self._writes:
-            self._copier.count_wait(reason)
+            self._tiers.copier.count_wait(reason)
         self._reap(wait=True)
 
     def _give_back_slots(self, e: _Entry) -> None:
         """Give back what an away storage holds outside the device: its SSD write is
         waited for first (its bytes are being dropped, so an error no longer matters),
         then its bounce slot and its host or SSD slot."""
+        tiers = self._tiers
         if e.io is not None:
             if not e.io.done():
-                self._copier.count_wait("write retired")
+                tiers.copier.count_wait("write retired")
             try:
                 e.io.result()
             except OSError:
@@ -518,11 +522,11 @@ class Moves:
             if e in self._writes:
                 self._writes.remove(e)
             e.io = None
-        if e.bounce >= 0 and self._ssd is not None:
-            self._ssd.bounce.release(e.bounce, e.nbytes)
+        if e.bounce >= 0 and tiers.ssd is not None:
+            tiers.ssd.bounce.release(e.bounce, e.nbytes)
         if e.tier == "host":
-            self._host.arena.release(e.slot, e.nbytes)
+            tiers.host.arena.release(e.slot, e.nbytes)
         elif e.tier == "home":  # (a host step's own buffer: nothing to give back)
             pass
-        elif self._ssd is not None:
-            self._ssd.arena.release(e.slot, e.nbytes)
+        elif tiers.ssd is not None:
+            tiers.ssd.arena.release(e.slot, e.nbytes)

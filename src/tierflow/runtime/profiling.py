@@ -380,7 +380,7 @@ class Profiling:
         tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
                  Tier("host", "host", float(host_cap))]
         links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
-        if self._ssd is not None:
+        if self._tiers.ssd is not None:
             # NVMe-class rates; the runtime's own transfers are what stats report
             tiers.append(Tier("ssd", "ssd", float(ssd_cap), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
             links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]

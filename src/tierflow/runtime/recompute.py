@@ -214,7 +214,7 @@ class Recomputing:
                 self.stats.skipped_drops += 1
                 continue
             if e.arrival is not None:
-                self._copier.wait(e.arrival)
+                self._tiers.copier.wait(e.arrival)
                 e.arrival = None
             st.resize_(0)
             e.state = DROPPED
