@@ -73,6 +73,7 @@ from .follow import PlanFollowing
 from .homecoming import bring_home
 from .host_step import HostSteps
 from .kernel_times import KernelTimer, mark
+from .ledger import DeviceLedger
 from .moves import Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
@@ -301,9 +302,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._dead: deque[int] = deque()
         self._writes: list[_Entry] = []
         self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room
-        self._device_bytes = 0  # accounted: resident storages and those still leaving
-        self._leaving: deque[tuple[Any, int]] = deque()  # (event, bytes) of copies out in flight (CUDA)
-        self._leaving_bytes = 0
+        self._ledger = DeviceLedger()  # accounted device bytes, copies out in flight, the peak (runtime/ledger.py)
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._held: list[_Entry] = []  # profiling: what the loop held when the iteration began
         self._from_profile = False  # the next planned iteration is the first after a profile
@@ -322,7 +321,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._outside_ran = False  # an op ran between iterations (see _begin)
         self._fast = False
         self._recording = self._planned = self._hinted = False
-        self._iter_peak = 0
         self._need_profile = True
         self._iters_begun = 0
         self._inflight: list[tuple[list[Any], list[_Entry], list[_Entry]]] = []  # (Works, pinned, written)
@@ -366,7 +364,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             torch.cuda.reset_peak_memory_stats(self.device)
             # what was on the device before the block (another model, the data) is not
             # the run's: untracked memory is counted above this
-            self._untracked_base = torch.cuda.memory_allocated(self.device) - self._device_bytes
+            self._untracked_base = torch.cuda.memory_allocated(self.device) - self._ledger.used
         # (state dicts taken inside the block never hold an away tensor: runtime/outside.py)
         self._checkpoints = CheckpointGuard(self)
         self._checkpoints.install(self.model, self.optimizer)
@@ -536,8 +534,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         dict, logging) into the run's figures."""
         st = self.stats
         if math.isfinite(self.budget):  # (a share budget is known from the first plan on)
-            st.peak_device_bytes_outside = max(st.peak_device_bytes_outside, self._iter_peak)
-            st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
+            st.peak_device_bytes_outside = max(st.peak_device_bytes_outside, self._ledger.peak)
+            st.peak_device_bytes = max(st.peak_device_bytes, self._ledger.peak)
 
     def _begin(self) -> None:
         if self._outside_ran:
@@ -600,7 +598,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         if self._recording:
             self._held = self._held_entries()
-        self._iter_peak = self._device_bytes
+        self._ledger.start_peak()
         self._budgeted = math.isfinite(self.budget)
         self._t0 = time.perf_counter()
         if self.device.type == "cuda":
@@ -635,9 +633,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                              if self._recording else "reactive")
         self._time_step(kind)
         if self._budgeted or (self._budget_bytes is None and self._budget_share is None):
-            st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
+            st.peak_device_bytes = max(st.peak_device_bytes, self._ledger.peak)
         else:  # a share budget: the profile iteration that measured the peak ran without one
-            st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._iter_peak)
+            st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._ledger.peak)
         if self._planned and not self._stale and self._op != self.trace.n_ops:
             self._mark_stale(f"the iteration ran {self._op} ops, the trace has {self.trace.n_ops}")
         want = self._recording and not self._warmup
@@ -672,7 +670,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._quiet = False
         elif (self._planned or self._hinted) and not self._stale:
             st.planned_steps += 1
-            st.peak_device_bytes_planned = max(st.peak_device_bytes_planned, self._iter_peak)
+            st.peak_device_bytes_planned = max(st.peak_device_bytes_planned, self._ledger.peak)
         else:
             st.reactive_steps += 1
         if self._timing:
@@ -682,7 +680,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._iter_tid, self._iter_entries = {}, []
         # (from here: the peak of the ops between iterations, _fold_outside_peak; not what
         # the iteration left, above a share budget after the unconstrained profile)
-        self._iter_peak = 0
+        self._ledger.clear_peak()
         self._reset_chains()  # (what a chain holds is released with the iteration)
 
     def _time_step(self, kind: str) -> None:
@@ -956,7 +954,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # (and has re-made the dropped ones: no room to make for them again)
             away = sum(e.nbytes for e in ins if e.state is not RESIDENT)
         need = away + born
-        if self._device_bytes + need > self.budget:
+        ledger = self._ledger
+        if ledger.used + need > self.budget:
             self._make_room(need, ins)
         if fix:
             for e in ins:
@@ -1024,7 +1023,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             for e in ins:
                 if e.cdata in lru:
                     lru.move_to_end(e.cdata)
-        if self._device_bytes > self._iter_peak:
+        if ledger.used > ledger.peak:
             self._note_peak()
         if moves and not self._stale:
             self._fire(i, hints=self._hinted)
@@ -1051,7 +1050,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         """Account a resident storage an op resized; the bytes it grew by."""
         n = e.ref().nbytes()
         self._make_counted(e)  # (resized inside the block)
-        self._device_bytes += n - e.nbytes
+        self._ledger.add(n - e.nbytes)
         grown = max(0, n - e.nbytes)
         e.top = max(e.top, e.nbytes)
         e.nbytes = n
@@ -1106,12 +1105,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def tier_usage(self) -> dict[str, int]:
         """Bytes in use right now: ``device`` (accounted), ``host`` (pool slots),
         ``ssd`` (file slots), ``bounce`` (SSD staging)."""
-        return {"device": self._device_bytes, **self._tiers.usage()}
+        return {"device": self._ledger.used, **self._tiers.usage()}
 
     @property
     def device_bytes(self) -> int:
         """Bytes the runtime accounts as resident on the device right now."""
-        return self._device_bytes
+        return self._ledger.used
 
 
 def offload(

@@ -71,7 +71,7 @@ class PlanFollowing:
                 done = self._evict(e, tier, slot)
             elif e.state is RESIDENT or e in self._pending:
                 done = False
-            elif hints and self._device_bytes + e.nbytes <= self.budget:
+            elif hints and self._ledger.used + e.nbytes <= self.budget:
                 done = self._prefetch(e)
             elif hints:
                 # NOTE: a UVM-style prefetch hint makes room, like a fault, but not yet:
@@ -104,7 +104,7 @@ class PlanFollowing:
         for key, e in self._by_key.items():
             if e.state != AWAY or key in away or e.tier == "home" or e.ref() is None:
                 continue
-            if self._device_bytes + e.nbytes > self.budget:
+            if self._ledger.used + e.nbytes > self.budget:
                 break  # (what does not fit comes back when used)
             if self._prefetch(e):
                 self.stats.planned_moves += 1
@@ -139,16 +139,17 @@ class PlanFollowing:
     def _issue_pending(self) -> None:
         """Start queued prefetches, in order: a planned one when it fits the budget, a
         reactive plan's hint at the first op after the one it follows (making room)."""
+        ledger = self._ledger
         while self._pending:
             e = self._pending[0]
             if e.ref() is None or e.state != AWAY:
                 self._pending.popleft()
                 continue
-            if self._device_bytes + e.nbytes > self.budget and self._leaving:
+            if ledger.used + e.nbytes > self.budget and ledger.leaving:
                 self._retire_leaving()  # (copies out that landed since give their room)
-            if self._device_bytes + e.nbytes > self.budget and self._dead_held and not self._hinted:
+            if ledger.used + e.nbytes > self.budget and self._dead_held and not self._hinted:
                 self._evict_dead_held(e.nbytes)
-            if self._device_bytes + e.nbytes > self.budget:
+            if ledger.used + e.nbytes > self.budget:
                 if not self._hinted:
                     return  # a planned prefetch waits for room (as simulated)
                 self._make_room(e.nbytes, [])  # a hint makes room, like a fault
@@ -164,13 +165,13 @@ class PlanFollowing:
     def _evict_dead_held(self, need: int) -> None:
         """Evict gradients past their last use (oldest first) until ``need`` more bytes
         fit the budget: memory the plan counted free."""
-        held = self._dead_held
-        while held and self._device_bytes - self._leaving_bytes + need > self.budget:
+        held, ledger = self._dead_held, self._ledger
+        while held and ledger.used - ledger.leaving_bytes + need > self.budget:
             e = held.popleft()
             if e.ref() is not None and e.state is RESIDENT and self._evict(e, "host"):
                 self.stats.unplanned_evictions += 1
                 self._depart("eviction: a gradient held past its last use, for a planned prefetch")
-        if self._leaving:
+        if ledger.leaving:
             self._retire_leaving(need)
 
     def _victims(self, pinned: set[int]) -> list[_Entry]:

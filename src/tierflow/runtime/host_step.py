@@ -642,7 +642,7 @@ class HostSteps:
                 self._tiers.copier.wait(e.arrival)
                 e.arrival = None
             st.resize_(0)
-            self._device_bytes -= e.nbytes
+            self._ledger.remove(e.nbytes)
             self._lru.pop(e.cdata, None)
         elif e.tier != "home":  # away in the pool or the file: that copy is obsolete
             self._give_back_slots(e)

@@ -71,15 +71,16 @@ class Moves:
             # torch.cuda.max_memory_allocated from the first forward, warm-up and
             # profiled iterations included (the plan's reserve is not counted twice)
             need += max(0, self._untracked_now() - self.stats.untracked_device_bytes)
-        if self._device_bytes + need <= self.budget:
+        ledger = self._ledger
+        if ledger.used + need <= self.budget:
             return
-        if self._leaving:
+        if ledger.leaving:
             self._retire_leaving()
-            if self._device_bytes + need <= self.budget:
+            if ledger.used + need <= self.budget:
                 return
         if self._foreign:  # storages FSDP freed still count at their old size until looked at
             self._sync_foreign()
-            if self._device_bytes + need <= self.budget:
+            if ledger.used + need <= self.budget:
                 return
         if self._in_step and len(self.optimizer.state) != self._labelled_states:
             self._label_opt_state()  # state the optimizer created in this step is evictable too
@@ -88,9 +89,9 @@ class Moves:
             # NOTE: where the copies out still in flight will free the room, waiting for
             # them (below) is all there is to do: the victim search sorts every resident
             # tensor by next use, and ran at such ops on CUDA to evict nothing
-            if self._device_bytes - self._leaving_bytes + need > self.budget:
+            if ledger.used - ledger.leaving_bytes + need > self.budget:
                 for e in self._victims(pinned):  # Belady: the trace's next use, furthest first
-                    if self._device_bytes - self._leaving_bytes + need <= self.budget:
+                    if ledger.used - ledger.leaving_bytes + need <= self.budget:
                         break
                     if self._evict(e, "host"):
                         self.stats.unplanned_evictions += 1
@@ -100,7 +101,7 @@ class Moves:
             # least recently used first, found lazily: the front of the LRU order, skipping
             # what this op needs and what cannot move now
             lru, skip = self._lru, pinned
-            while self._device_bytes - self._leaving_bytes + need > self.budget:
+            while ledger.used - ledger.leaving_bytes + need > self.budget:
                 victim = next((e for c, e in lru.items() if c not in skip), None)
                 if victim is None:
                     break
@@ -108,7 +109,7 @@ class Moves:
                     self.stats.unplanned_evictions += 1
                 else:
                     skip = skip | {victim.cdata}
-        if self._leaving:
+        if ledger.leaving:
             self._retire_leaving(need)
 
     def _grow_host(self, nbytes: int) -> bool:
@@ -132,7 +133,7 @@ class Moves:
         if not self._cuda:
             return 0
         return max(0, torch.cuda.memory_allocated(self.device) - self._untracked_base
-                   - self._device_bytes + self._leaving_bytes)
+                   - self._ledger.used + self._ledger.leaving_bytes)
 
     def _leave(self, ev: object, n: int) -> None:
         """A storage of ``n`` device bytes was shrunk while the copy ``ev`` still reads
@@ -141,28 +142,16 @@ class Moves:
         the device: they count against the budget until the copy completes, as the
         simulator holds an eviction's bytes until it lands. (On CPU ``ev`` is None:
         the copy is done.)"""
-        if ev is None:
-            self._device_bytes -= n
-        else:
-            self._leaving.append((ev, n))
-            self._leaving_bytes += n
+        self._ledger.leave(ev, n)
 
     def _retire_leaving(self, need: int | None = None, every: bool = False) -> None:
         """Stop counting the bytes of copies out that have completed (they complete in
         order: one stream). With ``need``: block on the oldest until ``need`` more bytes
         fit the budget (each such wait is counted); ``every``: on all of them."""
-        lv = self._leaving
-        while lv:
-            ev, n = lv[0]
-            if not ev.query():
-                if not (every or (need is not None and self._device_bytes + need > self.budget)):
-                    break
-                if not every:
-                    self._tiers.copier.count_wait("eviction in flight")
-                ev.synchronize()
-            lv.popleft()
-            self._device_bytes -= n
-            self._leaving_bytes -= n
+        self._ledger.retire_leaving(need, self.budget, every=every, on_wait=self._eviction_wait)
+
+    def _eviction_wait(self) -> None:
+        self._tiers.copier.count_wait("eviction in flight")
 
     def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
         tiers = self._tiers
@@ -232,7 +221,7 @@ class Moves:
         st.resize_(0)
         e.state, e.tier = AWAY, tier
         if tiers.memmove and tier == "host":
-            self._device_bytes -= n
+            self._ledger.remove(n)
         else:
             self._leave(ev, n)
         self._lru.pop(e.cdata, None)
@@ -415,7 +404,7 @@ class Moves:
         e.arrival = ev
         e.state, e.slot = RESIDENT, -1
         tier, e.tier = e.tier, None
-        self._device_bytes += n
+        self._ledger.add(n)
         tier = "host" if tier == "home" else tier
         self._count(f"{tier}->device", tier or "host", n)
         if e.kind in OWNED:
@@ -427,7 +416,7 @@ class Moves:
         self._give_back_slots(e)
         e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
         e.nbytes = int(st.nbytes())
-        self._device_bytes += e.nbytes
+        self._ledger.add(e.nbytes)
         self._make_foreign(e)
 
     def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
@@ -457,7 +446,7 @@ class Moves:
         if st is not None:
             st.resize_(n)
             _u8(st, n).copy_(tiers.ssd.bounce_view(e.bounce, n))
-            self._device_bytes += n
+            self._ledger.add(n)
             if e.kind in OWNED:
                 self._lru[e.cdata] = e
         tiers.ssd.bounce.release(e.bounce, n)
@@ -488,7 +477,7 @@ class Moves:
             self._inflight = [r for r in self._inflight if not self._release(r)]
         if self._frees:
             self._tiers.reap_frees(wait)
-        if self._leaving:
+        if self._ledger.leaving:
             self._retire_leaving(every=wait)
         for e in list(self._writes):
             self._finish_write(e, wait=wait)

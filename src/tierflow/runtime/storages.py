@@ -310,7 +310,7 @@ class StorageTracking:
                    resizable=st.resizable(), counted=counted)
         self._entries[cdata] = e
         if counted:
-            self._device_bytes += n
+            self._ledger.add(n)
         return e
 
     def _make_counted(self, e: _Entry) -> None:
@@ -319,7 +319,7 @@ class StorageTracking:
         if not e.counted:
             e.counted = True
             if e.state is RESIDENT:
-                self._device_bytes += e.nbytes
+                self._ledger.add(e.nbytes)
 
     def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
         if e is None or (e.key is not None and _RANK[kind] >= _RANK[e.kind]):
@@ -453,7 +453,7 @@ class StorageTracking:
             del self._foreign[c]
         if e.state is RESIDENT:
             if e.counted:
-                self._device_bytes -= e.nbytes
+                self._ledger.remove(e.nbytes)
         elif e.state == "dropped":  # (for recompute: no bytes anywhere)
             self._dropped_in.pop(c, None)
         else:  # died while away: give its slots back
@@ -523,15 +523,16 @@ class StorageTracking:
                 continue
             n = st.nbytes()
             if n != e.nbytes and e.state == RESIDENT:
-                self._device_bytes += n - e.nbytes
+                self._ledger.add(n - e.nbytes)
                 e.top = max(e.top, e.nbytes, n)
                 e.nbytes = n
 
     def _note_peak(self) -> None:
-        if self._device_bytes > self._iter_peak:
+        ledger = self._ledger
+        if ledger.used > ledger.peak:
             if self._foreign:  # (FSDP may have freed some since: count them as they are)
                 self._sync_foreign()
-            self._iter_peak = max(self._iter_peak, self._device_bytes)
+            ledger.note_peak()
 
     def _state_tensors(self) -> list[torch.Tensor]:
         out = list(self.model.parameters()) + list(self.model.buffers())
