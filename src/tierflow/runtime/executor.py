@@ -80,7 +80,7 @@ from .optim_chunks import ChunkedStep
 from .outside import CheckpointGuard, OutsideWork
 from .profiling import Profiling
 from .recompute import Recomputing, rng_states
-from .retime import Retiming
+from .retime import Retimer
 from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
 from .stats import RunStats
 from .storages import (
@@ -179,7 +179,7 @@ def _dispatch(self, func, types, args=(), kwargs=None):
         finally:
             run._quiet = False
             if run._timing:  # (a collective in a timed followed iteration: see retime)
-                run._handler_s += time.perf_counter() - t0
+                run._retimer.add_handler_s(time.perf_counter() - t0)
     finally:
         _set_eval_frame(prior)
 
@@ -214,7 +214,7 @@ class _Mode(TorchDispatchMode):
     __torch_dispatch__ = _dispatch
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling, OpFacts, Retiming):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling, OpFacts):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -284,6 +284,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._layout: dict[tuple[int, int, str], int] = {}  # planned pool/file offsets
         self.plan: Plan | None = None
         self.hardware: Hardware | None = None
+        # CPU mode: the plan's first followed iterations timed, its prediction made again
+        # from them (runtime/retime.py); _timing: this iteration is (the lean path reads it)
+        self._retimer = Retimer.idle()
+        self._timing = False
         self._open = False
 
     def __enter__(self) -> Run:
@@ -564,7 +568,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         hooked = self._fast and self._planned and self._hook is not None and self._hook.usable(self)
         if self._fast and not hooked:  # (following at ticks needs the saved-tensor hooks)
             self._hooks_off_for_iteration()
-        self._retime_begin()
+        self._timing = self._retimer.begin(self._planned, getattr(self, "_n_ops", 0),
+                                           (self.stats.recompute_s, self.stats.recomputed_ops))
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -674,7 +679,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         else:
             st.reactive_steps += 1
         if self._timing:
-            self._retime_end(wall)
+            self._timing = False
+            followed = not self._stale and self._op == self.trace.n_ops
+            retimed = self._retimer.end(wall, followed, getattr(self, "_host_costs", None),
+                                        (st.recompute_s, st.recomputed_ops))
+            if retimed is not None:
+                self._adopt_retimed(retimed)
         if self._stale and not self._dominated:  # (a dominated iteration's departure says nothing of its plan)
             self._need_profile = True
         self._iter_tid, self._iter_entries = {}, []
@@ -890,6 +900,15 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         elif self._bind_out[i] is not None:
             self._bind(i, self._bind_out[i], outs)
 
+    def _timed_follow_op(self, func, args, kwargs):
+        """``_follow_op`` with the time spent inside it counted (the handler's share, see
+        retime)."""
+        t0 = time.perf_counter()
+        try:
+            return self._follow_op(func, args, kwargs)
+        finally:
+            self._retimer.add_handler_s(time.perf_counter() - t0)
+
     def _follow_op(self, func, args, kwargs):
         """The steady state: op ``self._op`` of an iteration following its plan, that
         matches its trace so far. What :meth:`_handle` does for such an op, and nothing
@@ -909,7 +928,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # (one row of per-op facts, see _make_plan: one lookup instead of a dozen)
         _f, trivial, next_op, flat, binds, levers, born, views_only, sizes, spots, bind_out, moves = row
         if trivial:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
-            out = self._timed_call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
+            out = self._retimer.call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
             self._op = next_op  # (i + 1, past ops the host runs)
             return out
         entries, dev, entry = self._entries, self._dev_attr, self._entry
@@ -966,7 +985,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         # (the first followed iterations time each op: see retime)
-        out = self._timed_call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
+        out = self._retimer.call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
         if views_only:  # (views of the arguments: no new storage, nothing to check)
             outs = _NO_OUTS
         else:
@@ -1016,7 +1035,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             if self._drops[i]:
                 self._drop(i)
             if self._timing:  # (what recompute costs forward: see retime)
-                self._record_s += time.perf_counter() - t0
+                self._retimer.add_record_s(time.perf_counter() - t0)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
             # (the op's inputs: a result enters the LRU order at its end when it is bound)
             lru = self._lru

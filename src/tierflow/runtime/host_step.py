@@ -524,7 +524,7 @@ class HostSteps:
             finally:
                 self._quiet = q
                 if self._timing:  # (the runtime's own work, not the model's: see retime)
-                    self._handler_s += time.perf_counter() - t0
+                    self._retimer.add_handler_s(time.perf_counter() - t0)
         return hook
 
     def _host_state_read(self, optimizer: Any, *args: Any) -> None:

@@ -26,6 +26,7 @@ from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
+from .retime import Retimed, Retimer
 from .storages import (
     LOOP_KINDS,
     METADATA_ONLY,
@@ -510,6 +511,15 @@ class Profiling:
             return None, f"a segment needs {fmt_bytes(need)}, over the budget"
         return coarse, None
 
+    def _adopt_retimed(self, r: Retimed) -> None:
+        """The plan's prediction made again from its first followed iterations (see
+        runtime/retime.py): the trace, machine model and figures the run reports from
+        now on. The plan is not changed."""
+        self.stats.predicted_step_time_s = r.prediction.time_s
+        self.stats.ideal_step_time_s = r.trace.ideal_s
+        self.stats.outside_handler_s = r.outside_s
+        self.trace, self.hardware, self.prediction = r.trace, r.hardware, r.prediction
+
     def _make_plan(self, trace: Trace) -> bool:
         """Plan from ``trace``; False if the trace cannot be planned from yet (the
         budget, only now known, splits the optimizer step into chunks the profiled
@@ -621,9 +631,13 @@ class Profiling:
         self.stats.plan_digest = plan_digest(plan)
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
-        self._retime_arm()  # (CPU mode: the prediction again from the first followed iterations)
-        if self._hook is not None:  # (its op-by-op timing has no ops to time: see retime)
-            self._retimes_left = 0
+        # CPU mode: the prediction again from the first followed iterations (runtime/retime.py),
+        # where this run's machine model is its own; not where the plan is followed at ticks
+        # (its op-by-op timing has no ops to time)
+        due = (not self._cuda and self._hardware_arg is None and not plan.reactive
+               and self.stats.predicted_step_time_s is not None and self._hook is None)
+        self._retimer = Retimer(trace, hw, plan, due)
+        self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
         self._layout = self._plan_layout(trace, plan, hw)
         self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
