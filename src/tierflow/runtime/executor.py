@@ -491,7 +491,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._host_release()
             restore(self, cache.plans[sig])
             if self.plan.host_steps:
-                self._host_adopt(self.trace, self.plan)
+                self._adopt_host_steps(self.trace, self.plan)
             if not self._dominated:
                 cache.followed(sig)
             cache.current = sig
@@ -589,11 +589,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
             self._facts_begin()
         self._ticks_begin()  # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
-        if self._planned:  # persistent tensors the plan starts the iteration without
-            for key, tier in self._start_away.items():
-                e = self._by_key.get(key)
-                if e is not None and e.state == RESIDENT and self._evict(e, tier):
-                    self.stats.planned_moves += 1
+        if self._planned:
+            self._leave_start_away()  # (persistent tensors the plan starts the iteration without)
             # (after a profile, or after ops between iterations moved what the plan
             # starts with: validation, a state dict; runtime/outside.py)
             if self._from_profile or self._outside_ran:

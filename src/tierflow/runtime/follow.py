@@ -93,6 +93,14 @@ class PlanFollowing:
         if self._pending and not hints:
             self._issue_pending()
 
+    def _leave_start_away(self) -> None:
+        """A planned iteration begins: the persistent tensors its plan starts without
+        leave the device (where they are still on it)."""
+        for key, tier in self._start_away.items():
+            e = self._by_key.get(key)
+            if e is not None and e.state == RESIDENT and self._evict(e, tier):
+                self.stats.planned_moves += 1
+
     def _enter_start_state(self) -> None:
         """Before the first planned iteration after a profile: bring back the parameters
         and optimizer state the plan has on the device when an iteration starts. The
@@ -168,8 +176,7 @@ class PlanFollowing:
         held, ledger = self._dead_held, self._ledger
         while held and ledger.used - ledger.leaving_bytes + need > self.budget:
             e = held.popleft()
-            if e.ref() is not None and e.state is RESIDENT and self._evict(e, "host"):
-                self.stats.unplanned_evictions += 1
+            if e.ref() is not None and e.state is RESIDENT and self._evict_beyond_plan(e):
                 self._depart("eviction: a gradient held past its last use, for a planned prefetch")
         if ledger.leaving:
             self._retire_leaving(need)

@@ -93,8 +93,7 @@ class Moves:
                 for e in self._victims(pinned):  # Belady: the trace's next use, furthest first
                     if ledger.used - ledger.leaving_bytes + need <= self.budget:
                         break
-                    if self._evict(e, "host"):
-                        self.stats.unplanned_evictions += 1
+                    if self._evict_beyond_plan(e):
                         e.unplanned = True
                         self._depart("eviction: room an op needed beyond the plan")
         else:
@@ -105,9 +104,7 @@ class Moves:
                 victim = next((e for c, e in lru.items() if c not in skip), None)
                 if victim is None:
                     break
-                if self._evict(victim, "host"):
-                    self.stats.unplanned_evictions += 1
-                else:
+                if not self._evict_beyond_plan(victim):
                     skip = skip | {victim.cdata}
         if ledger.leaving:
             self._retire_leaving(need)
@@ -226,8 +223,20 @@ class Moves:
             self._leave(ev, n)
         self._lru.pop(e.cdata, None)
         self._count(f"device->{tier}", tier, n)
-        k = f"{e.kind}@{tier}"
+        self._count_move(e.kind, tier)
+        return True
+
+    def _count_move(self, kind: str, tier: str) -> None:
+        """A tensor of ``kind`` left the device for ``tier`` (``stats.moves_by_kind``)."""
+        k = f"{kind}@{tier}"
         self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
+
+    def _evict_beyond_plan(self, e: _Entry) -> bool:
+        """Evict ``e`` to the host where no plan said so (room an op or a prefetch
+        needs), counted (``stats.unplanned_evictions``); False where it cannot move."""
+        if not self._evict(e, "host"):
+            return False
+        self.stats.unplanned_evictions += 1
         return True
 
     def _probe_move_s(self, rounds: int = 16, nbytes: int = 4096, tensors: int = 4) -> float:

@@ -511,6 +511,13 @@ class Profiling:
             return None, f"a segment needs {fmt_bytes(need)}, over the budget"
         return coarse, None
 
+    def _adopt_host_steps(self, trace: Trace, plan: Plan) -> None:
+        """Take up ``plan``'s host steps (runtime/host_step.py); where they cannot be
+        executed the plan is followed without them and ``stats.plan_error`` says why."""
+        why = self._host_adopt(trace, plan)
+        if why is not None:
+            self.stats.plan_error = why
+
     def _adopt_retimed(self, r: Retimed) -> None:
         """The plan's prediction made again from its first followed iterations (see
         runtime/retime.py): the trace, machine model and figures the run reports from
@@ -674,7 +681,7 @@ class Profiling:
         self._born = born
         if self._chunker is not None:
             self.stats.optimizer_chunks = self._chunker.chunks
-        self._host_adopt(trace, plan)  # the plan's host steps, if any (runtime/host_step.py)
+        self._adopt_host_steps(trace, plan)  # the plan's host steps, if any (runtime/host_step.py)
         # ops the lean path only runs: metadata over a storage, nothing planned there
         # (after the host steps: the moves after an op the host runs move to the op before)
         self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None
