@@ -77,6 +77,10 @@ LADDER_WORKERS = 1
 # 5 s alone, 1.057 with the ladder from the start), and the cases the search settles
 # fall within this share
 LADDER_DELAY = 0.4
+# ... and at most this many seconds: the search settles its cases early (MiniMalloc's
+# A-K within 3 s when it does at all), so on a long limit a longer wait only idles the
+# ladder (at 60 s the generated guillotine-450 was placed at 31 s, 25 s of it waiting)
+LADDER_DELAY_MAX = 4.0
 # deterministic mode (a node limit): CP-SAT deterministic time the ladder gets after
 # the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
@@ -321,7 +325,8 @@ class _LadderRun:
         return run
 
     def _run(self, det_budget: float | None, delay: bool = False) -> None:
-        if delay and self.stop.wait(LADDER_DELAY * max(0.0, self.deadline - time.perf_counter())):
+        wait = min(LADDER_DELAY * max(0.0, self.deadline - time.perf_counter()), LADDER_DELAY_MAX)
+        if delay and self.stop.wait(wait):
             return  # the search met its floor first
         known = known_hint = None
         if self.known is not None and det_budget is None:  # beside the search only: it changes under us
