@@ -348,7 +348,7 @@ class StorageTracking:
                     self._hook.grad(name, p.grad)
                 return
             if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
-                self._tick("grad", name)
+                self._opfacts.tick("grad", name)
                 q, self._quiet = self._quiet, True
                 try:
                     self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
@@ -369,7 +369,7 @@ class StorageTracking:
         elif self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
             seq = self._saved_seq
             self._saved_seq = seq + 1
-            self._tick("pack", str(seq))
+            self._opfacts.tick("pack", str(seq))
             # (autograd saves before the op reaches the mode: a storage new here is an
             # input made before the block, the target a loss saves, say)
             e = self._entry(t, "saved", counted=False)
@@ -397,8 +397,8 @@ class StorageTracking:
         if self._recording:  # autograd may detach what we return: that op is ours, not the model's
             self._unpacked = _storage_id(p)
         e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
-        if self._tick_log is not None:
-            self._tick("unpack", (e.key or "") if e is not None else "")
+        if self._opfacts.logging_ticks:
+            self._opfacts.tick("unpack", (e.key or "") if e is not None else "")
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
             q, self._quiet = self._quiet, True
             try:
