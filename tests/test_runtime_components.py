@@ -1,4 +1,5 @@
-"""The eager runtime's components on their own: the device ledger, the tiers, the op facts.
+"""The eager runtime's components on their own: the device ledger, the tiers, the
+collectives in flight, the op facts.
 
 Each owns its state (docs/runtime.md, "Front-ends and back-ends"); these tests drive them
 without a model, so a wrong count shows here before it shows as a budget overshoot.
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from tierflow.runtime.collectives import InFlight
 from tierflow.runtime.ledger import DeviceLedger
 from tierflow.runtime.opfacts import OpFacts
+from tierflow.runtime.storages import _Entry
 from tierflow.runtime.tier_set import Tiers
 from tierflow.runtime.tiers import HostPool
 
@@ -118,3 +121,44 @@ def test_op_facts_keep_only_renumbers_the_kept_ops():
     facts.keep_only([0, 2])
     ops = [("add", "forward", 0.0, [0], [1]), ("mul", "forward", 0.0, [1], [2])]
     assert facts.ops_facts(ops, ["input", "temporary", "temporary"]) == [("m.0", False, True), ("m.2", False, True)]
+
+
+class _Work:
+    """A collective's ``Work`` that completes when told to."""
+
+    def __init__(self) -> None:
+        self.completed = False
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self) -> None:
+        self.waited = self.completed = True
+
+
+def _entries(n: int) -> list[_Entry]:
+    return [_Entry(k, 64, lambda: None, name=f"t{k}") for k in range(n)]
+
+
+def test_in_flight_unpins_when_the_collective_completes():
+    flight, (a, b) = InFlight(), _entries(2)
+    work = _Work()
+    flight.pin([work], [a, b], [b])
+    assert (a.pins, b.pins) == (1, 1)
+    flight.reap()
+    assert a.pins == 1 and len(flight.records) == 1
+    work.completed = True
+    flight.reap()
+    assert (a.pins, b.pins) == (0, 0) and not flight.records and not work.waited
+
+
+def test_in_flight_waits_for_a_collective_whose_result_was_used():
+    flight, (a, b) = InFlight(), _entries(2)
+    work = _Work()
+    records = flight.records
+    flight.pin([work], [a, b], [b])
+    assert not flight.unpin(a)  # (not used since: the collective may still be reading it)
+    a.touched = True
+    assert flight.unpin(a) and work.waited
+    assert flight.records is records and not records  # (changed in place: the executor holds the list)

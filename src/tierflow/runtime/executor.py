@@ -68,6 +68,7 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
 from ..units import parse_bytes
+from .collectives import InFlight
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .homecoming import bring_home
@@ -328,7 +329,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._recording = self._planned = self._hinted = False
         self._need_profile = True
         self._iters_begun = 0
-        self._inflight: list[tuple[list[Any], list[_Entry], list[_Entry]]] = []  # (Works, pinned, written)
+        # collectives in flight and what they pin (runtime/collectives.py); the list is
+        # read on every op: an alias of the component's, never reassigned
+        self._collectives = InFlight()
+        self._inflight = self._collectives.records
         self._foreign: dict[int, _Entry] = {}
         from .distributed import RankSync, world
 
@@ -426,7 +430,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._entries.clear()
             self._lru.clear()
             self._by_key.clear()
-            self._inflight.clear()
+            self._collectives.clear()
             self._foreign.clear()
         if errors and exc is None:
             raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
