@@ -98,7 +98,7 @@ def _recomputed(plan: GraphPlan) -> frozenset[str]:
     return frozenset(getattr(plan, "recompute", None) or ())
 
 
-def _held_inputs(trace: Trace, op_s: Sequence[float] | None) -> Trace:
+def step_trace(trace: Trace, op_s: Sequence[float] | None = None) -> Trace:
     """The trace with its inputs held for the whole step (persistent: there before and
     after it), and the op times replaced by ``op_s`` where given."""
     tensors = [dataclasses.replace(t, persistent=True, external=False) if t.external else t for t in trace.tensors]
@@ -167,7 +167,7 @@ def predict_graph(facts: GraphFacts, plan: GraphPlan, hardware: Hardware | None 
     from ..simulate import simulate
 
     hw = hardware if hardware is not None else cpu_hardware()
-    trace = _held_inputs(facts.trace, op_s)
+    trace = step_trace(facts.trace, op_s)
     held = int(sum(int(trace.sizes[t.id]) for t in trace.tensors if t.persistent))
     sim_plan = graph_plan_as_plan(facts, plan, trace, hw.device_capacity)
     res = simulate(trace, hw, sim_plan)
@@ -193,4 +193,4 @@ def predict_step(graphs: Sequence[tuple[GraphFacts, GraphPlan]], hardware: Hardw
     return StepPrediction(preds, float(sum(p.step_s for p in preds)), int(peak))
 
 
-__all__ = ["GraphPrediction", "StepPrediction", "cpu_hardware", "graph_plan_as_plan", "predict_graph", "predict_step"]
+__all__ = ["GraphPrediction", "StepPrediction", "cpu_hardware", "graph_plan_as_plan", "predict_graph", "predict_step", "step_trace"]
