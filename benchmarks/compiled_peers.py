@@ -111,14 +111,13 @@ def graph_pairs(run: Any) -> list[tuple[Any, Any]]:
     return [(r.facts, r.plan) for r in run.records]
 
 
-def policy_rows(pairs: list[tuple[Any, Any]], ambs: list[float]) -> list[dict[str, Any]]:
+def policy_rows(pairs: list[tuple[Any, Any]], ambs: list[float], hw: Any) -> list[dict[str, Any]]:
     """The torch knobs as tierflow policies on the unplanned graphs' traces: simulated
     peak above the step's start and step time, graphs in sequence (a later graph runs
     beside what the earlier ones keep saved)."""
     from tierflow.policies import make_plan
     from tierflow.simulate import simulate
 
-    hw = cpu_hardware()
     rows = []
     arms = [(f"amb {b}", "compile_memory_budget", {"memory_budget": b}) for b in ambs]
     arms.append(("offloading (all marked)", "compile_offloading", {"always": True}))
@@ -137,6 +136,15 @@ def policy_rows(pairs: list[tuple[Any, Any]], ambs: list[float]) -> list[dict[st
     return rows
 
 
+def prediction_hardware(name: str) -> Any:
+    """``cpu``: :func:`tierflow.compiled.predict.cpu_hardware`; else a preset or TOML file."""
+    if name == "cpu":
+        return cpu_hardware()
+    from tierflow import load_hardware
+
+    return load_hardware(name)
+
+
 def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     w = workload(name, device, args.quick)
     shares = [float(s) for s in args.shares.split(",")]
@@ -148,7 +156,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
     plain = arms[0]
     med = {a.name: statistics.median(a.times) for a in arms}
     ref = next(a for a in arms if a.name == "tierflow none")
-    ref_pred = predict_step(graph_pairs(ref.handle))
+    hw = prediction_hardware(args.hardware)
+    ref_pred = predict_step(graph_pairs(ref.handle), hw)
     calib = med[ref.name] / ref_pred.step_s if ref_pred.step_s > 0 else float("nan")
     rows = []
     for a in arms:
@@ -156,7 +165,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
                                "step_s": med[a.name], "x_plain": med[a.name] / med["plain"],
                                "calls": a.handle.calls, "losses_equal_plain": a.losses == plain.losses}
         if a.name.startswith("tierflow"):
-            pred = predict_step(graph_pairs(a.handle))
+            pred = predict_step(graph_pairs(a.handle), hw)
             row.update({
                 "graphs": len(pred.graphs), "pred_step_s": pred.step_s, "pred_peak_bytes": pred.peak_bytes,
                 "pred_over_measured_step": pred.step_s / med[a.name],
@@ -174,12 +183,13 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
         equal[t["arm"]] = {"amb": best["arm"], "amb_peak_bytes": best["peak_bytes"], "amb_step_s": best["step_s"],
                            "tierflow_peak_bytes": t["peak_bytes"], "tierflow_step_s": t["step_s"],
                            "tierflow_over_amb_step": t["step_s"] / best["step_s"]}
-    sims = policy_rows(graph_pairs(ref.handle), ambs)
+    sims = policy_rows(graph_pairs(ref.handle), ambs, hw)
     for s in sims:
         measured = next(r for r in rows if r["arm"] == s["arm"])
         s["measured_peak_bytes"] = measured["peak_bytes"]
         s["sim_over_measured_peak"] = s["sim_peak_bytes"] / measured["peak_bytes"]
-    return {"model": w.name, "rows": rows, "equal_peak": equal, "policies": sims, "calibration": calib}
+    return {"model": w.name, "rows": rows, "equal_peak": equal, "policies": sims, "calibration": calib,
+            "prediction_hardware": hw.name}
 
 
 def print_rows(res: dict[str, Any]) -> None:
@@ -219,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small models (the dry run)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--hardware", default="cpu", help="the predictions' machine: cpu (predict.cpu_hardware) "
+                    "or a preset (h100-80g-pcie5-nvme); op times stay graph_trace's roofline estimate")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared CPU)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
