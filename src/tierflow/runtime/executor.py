@@ -68,6 +68,7 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
 from ..units import parse_bytes
+from .collectives import InFlight
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .homecoming import bring_home
@@ -214,7 +215,7 @@ class _Mode(TorchDispatchMode):
     __torch_dispatch__ = _dispatch
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling, OpFacts):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -288,6 +289,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # from them (runtime/retime.py); _timing: this iteration is (the lean path reads it)
         self._retimer = Retimer.idle()
         self._timing = False
+        self._opfacts = OpFacts()  # the profiled iteration's scopes, flags and ticks (runtime/opfacts.py)
         self._open = False
 
     def __enter__(self) -> Run:
@@ -327,7 +329,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._recording = self._planned = self._hinted = False
         self._need_profile = True
         self._iters_begun = 0
-        self._inflight: list[tuple[list[Any], list[_Entry], list[_Entry]]] = []  # (Works, pinned, written)
+        # collectives in flight and what they pin (runtime/collectives.py); the list is
+        # read on every op: an alias of the component's, never reassigned
+        self._collectives = InFlight()
+        self._inflight = self._collectives.records
         self._foreign: dict[int, _Entry] = {}
         from .distributed import RankSync, world
 
@@ -390,8 +395,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         try:
             if self._hook is not None:  # (an iteration followed at ticks, cut short: the mode back)
                 self._hook.close()
-            self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
-            self._ticks_end()  # (and its tick log's)
+            self._opfacts.end_scopes()  # (a profiled iteration cut short: its scope tracker's hooks)
+            self._opfacts.end_ticks()  # (and its tick log's)
             if self._kernel_timer is not None:  # (and its profiler)
                 self._kernel_timer.close()
                 self._kernel_timer = None
@@ -425,7 +430,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._entries.clear()
             self._lru.clear()
             self._by_key.clear()
-            self._inflight.clear()
+            self._collectives.clear()
             self._foreign.clear()
         if errors and exc is None:
             raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
@@ -587,8 +592,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._hook_ops: list[int] = []  # recorded ops our saved-tensor hooks caused (see _unpack)
         self._sigs: list[tuple] = []
         if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
-            self._facts_begin()
-        self._ticks_begin()  # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
+            self._opfacts.begin_scopes(self.model)
+        # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
+        self._opfacts.begin_ticks(self.model, self._recording, self._recorded_ops)
         if self._planned:
             self._leave_start_away()  # (persistent tensors the plan starts the iteration without)
             # (after a profile, or after ops between iterations moved what the plan
@@ -619,8 +625,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._host_finish()  # [host steps] every host update done, parameters back
         if not self._in_iter:
             return
-        self._facts_end()
-        self._ticks_end()
+        self._opfacts.end_scopes()
+        self._opfacts.end_ticks()
         if not self._fast:  # (a clean planned iteration made no state the profile did not see)
             self._label_opt_state()
         self._in_iter = False
@@ -724,7 +730,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._outside_ran = True
         # profiling: every op the model dispatches is asked its scope (that is what ties
         # the autograd nodes it makes to its module, for backward's scopes)
-        scope = self._scopes.scope() if self._scopes is not None else None
+        scope = self._opfacts.scope()
         unpacked, self._unpacked = self._unpacked, None  # (see _unpack, _build_trace)
         if self._dead or self._frees or self._writes or self._inflight:
             self._reap()
@@ -826,7 +832,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     seen = self._untracked_now()
                     if seen > self._untracked_seen:
                         self._untracked_seen = seen
-                self._note_facts(scope, func, args, kwargs)
+                self._opfacts.note(len(self._rec) - 1, scope, func, args, kwargs, self._written_tid)
                 self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
                 if unpacked is not None and func is _DETACH and _storage_id_of(args[0], types) == unpacked:
                     self._hook_ops.append(len(self._rec) - 1)  # autograd's, after our unpack hook
@@ -836,6 +842,15 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._fire(i, hints=self._hinted)
             self._op = self._next_op[i] if following else self._op + 1  # [host steps] past host ops
         return out
+
+    def _recorded_ops(self) -> int:
+        """Ops recorded so far in the profiled iteration (where a tick falls)."""
+        return len(self._rec)
+
+    def _written_tid(self, t: Any) -> int | None:
+        """The trace id of a tensor an op just wrote (None: off the device, no storage)."""
+        e = self._entry(t)
+        return self._iter_tid.get(e.cdata) if e is not None else None
 
     def _follows(self) -> bool:
         """Whether this iteration is following a plan (planned, or a reactive plan's

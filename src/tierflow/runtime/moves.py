@@ -157,7 +157,7 @@ class Moves:
             return False
         if e.home is not None and self._host_evict(e):  # a host step's master copy has the bytes
             return True
-        if e.pins and not self._unpin(e):
+        if e.pins and not self._collectives.unpin(e):
             self.stats.busy_refusals += 1
             return False
         if st.nbytes() != e.nbytes:  # resized behind our back: its owner manages it
@@ -483,7 +483,7 @@ class Moves:
         writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
         self._retire_dead()
         if self._inflight:
-            self._inflight = [r for r in self._inflight if not self._release(r)]
+            self._collectives.reap()
         if self._frees:
             self._tiers.reap_frees(wait)
         if self._ledger.leaving:

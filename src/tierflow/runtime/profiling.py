@@ -282,14 +282,14 @@ class Profiling:
             torch.cuda.synchronize(self.device)
             rec = [(n, ph, a.elapsed_time(b) / 1e3, i, o) for (n, ph, _d, i, o), (a, b) in zip(rec, self._op_events)]
         self._op_events, self._op_kernel_s = [], []
-        facts = self._ops_facts(rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
+        facts = self._opfacts.ops_facts(rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
         ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs), *f)
                for (name, phase, d, ins, outs), f in zip(rec, facts)]
         trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": timing,
                             **({"kernel_times": kernels.summary()} if kernels is not None else {}),
                             # (the ticks a hook-driven follower could act at: runtime/segments.py)
-                            **({"ticks": self._trace_ticks()} if getattr(self, "_ticks_seen", None) else {})})
+                            **({"ticks": self._trace_ticks()} if self._opfacts.ticks else {})})
         self._trace_sigs_next = list(self._sigs)
         return trace
 
@@ -298,7 +298,7 @@ class Profiling:
         from .segments import TickLog
 
         log = TickLog(lambda: 0, {})
-        log.ticks = self._ticks_seen
+        log.ticks = self._opfacts.ticks
         return log.for_trace(self._kept_ops)
 
     def _drop_hook_ops(self) -> Callable[[int], int]:
@@ -320,9 +320,7 @@ class Profiling:
             self._op_events = [self._op_events[j] for j in keep]
         if len(self._op_kernel_s) == len(keep) + len(drop):
             self._op_kernel_s = [self._op_kernel_s[j] for j in keep]
-        facts = getattr(self, "_facts", None)
-        if facts is not None:
-            self._facts = {new: facts[old] for new, old in enumerate(keep) if old in facts}
+        self._opfacts.keep_only(keep)
         # an op index of the recorded iteration -> the last kept op at or before it
         return lambda j: bisect.bisect_right(keep, j) - 1
 

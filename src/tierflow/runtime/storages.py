@@ -348,7 +348,7 @@ class StorageTracking:
                     self._hook.grad(name, p.grad)
                 return
             if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
-                self._tick("grad", name)
+                self._opfacts.tick("grad", name)
                 q, self._quiet = self._quiet, True
                 try:
                     self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
@@ -369,7 +369,7 @@ class StorageTracking:
         elif self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
             seq = self._saved_seq
             self._saved_seq = seq + 1
-            self._tick("pack", str(seq))
+            self._opfacts.tick("pack", str(seq))
             # (autograd saves before the op reaches the mode: a storage new here is an
             # input made before the block, the target a loss saves, say)
             e = self._entry(t, "saved", counted=False)
@@ -397,8 +397,8 @@ class StorageTracking:
         if self._recording:  # autograd may detach what we return: that op is ours, not the model's
             self._unpacked = _storage_id(p)
         e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
-        if self._tick_log is not None:
-            self._tick("unpack", (e.key or "") if e is not None else "")
+        if self._opfacts.logging_ticks:
+            self._opfacts.tick("unpack", (e.key or "") if e is not None else "")
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
             q, self._quiet = self._quiet, True
             try:
@@ -467,41 +467,10 @@ class StorageTracking:
         ours to move."""
         if kind == 1:
             self.stats.collectives += 1
-            ents = list({e.cdata: e for e in ins + outs}.values())
-            for e in ents:
-                e.pins += 1
-                e.touched = False
-            works = _works(out)
-            if works:
-                self._inflight.append((works, ents, wrote))
+            self._collectives.pin(_works(out), list({e.cdata: e for e in ins + outs}.values()), wrote)
         else:
             for e in wrote:
                 self._make_foreign(e)
-
-    def _unpin(self, e: _Entry) -> bool:
-        """Try to free ``e`` of the collectives that pinned it: those that completed
-        have; if the program used ``e`` since (a program waits on a collective before
-        it uses the result), wait on them too: that returns at once. Whether ``e`` is
-        free now."""
-        self._inflight = [r for r in self._inflight
-                          if not self._release(r, force=e.touched and any(x is e for x in r[1]))]
-        return e.pins == 0
-
-    def _release(self, rec: tuple[list[Any], list[_Entry], list[_Entry]], force: bool = False) -> bool:
-        """Unpin what an in-flight collective pinned, if it is over: its ``Work`` says
-        it completed, or the program used a storage the collective writes (a program
-        waits on a collective before it uses the result; gloo's reduce-scatter never
-        says it completed), or ``force``: then wait on it (at once when it is done).
-        Whether it was released."""
-        works, ents, wrote = rec
-        if not all(w.is_completed() for w in works):
-            if not (force or any(x.touched for x in wrote)):
-                return False
-            for w in works:
-                w.wait()
-        for x in ents:
-            x.pins -= 1
-        return True
 
     def _make_foreign(self, e: _Entry) -> None:
         """``e`` is resized by someone else (FSDP frees and re-allocates its unsharded
