@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tierflow import pool
 from tierflow.pool import Buffer, Problem, generate
-from tierflow.pool.decide import FEASIBLE, INFEASIBLE, Variant, decide_cpsat, lifetime_order
+from tierflow.pool.decide import FEASIBLE, INFEASIBLE, Variant, bottom_up_order, decide_cpsat
 from tierflow.pool.greedy import best_fit
 from tierflow.pool.ladder import ladder
 from tierflow.pool.reduce import reduce
@@ -121,7 +121,7 @@ def test_bottom_up_decision_matches_the_exhaustive_optimum(p, delta, k):
 @given(small_problems(max_n=10), st.integers(0, 12))
 def test_bottom_up_orders_are_permutations(p, k):
     red = reduce(p)
-    assert sorted(lifetime_order(red, k).tolist()) == list(range(len(red)))
+    assert sorted(bottom_up_order(red, k).tolist()) == list(range(len(red)))
 
 
 def test_bottom_up_finds_the_perfect_packing_of_a_full_set():

@@ -38,7 +38,7 @@ class Variant:
             CP-SAT's restarts and propagation around it.
         order: with ``fixed``, which variable order the bottom-up search follows on
             ties of the lowest possible offset: -1 the problem's order, ``k >= 0`` the
-            ``k``-th of :func:`lifetime_order` (longest-lived buffers first).
+            ``k``-th of :func:`bottom_up_order`.
         params: extra CP-SAT parameters (name, value).
     """
 
@@ -51,7 +51,7 @@ class Variant:
     params: tuple[tuple[str, object], ...] = ()
 
 
-def lifetime_order(red: Reduced, k: int) -> np.ndarray:
+def bottom_up_order(red: Reduced, k: int) -> np.ndarray:
     """The ``k``-th variable order of the bottom-up search.
 
     Among the buffers that could go lowest, a bottom-up search places the first in
@@ -69,7 +69,7 @@ def lifetime_order(red: Reduced, k: int) -> np.ndarray:
 
     Example::
 
-        order = lifetime_order(red, 3)   # a permutation of range(len(red))
+        order = bottom_up_order(red, 3)   # a permutation of range(len(red))
     """
     n = len(red.size)
     idx = np.arange(n)
@@ -172,7 +172,7 @@ def decide_cpsat(red: Reduced, cap: int, variant: Variant, det_time: float, dead
             for a, b in zip(chain[:-1], chain[1:]):
                 m.add(vs[a] + int(red.size[a]) <= vs[b])
     if variant.fixed:
-        ordered = vs if variant.order < 0 else [vs[i] for i in lifetime_order(red, variant.order).tolist()]
+        ordered = vs if variant.order < 0 else [vs[i] for i in bottom_up_order(red, variant.order).tolist()]
         m.add_decision_strategy(ordered, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
     solver = cp_model.CpSolver()
     p = solver.parameters

@@ -12,7 +12,7 @@ such decisions gives both placements and proofs (MiniMalloc's scheme):
    again from the floor (an attempt left undecided may settle with more time).
 
 Each rung runs a *portfolio* of members in *lanes* (one lane a core): first CP-SAT's
-fixed bottom-up search under a new variable order each try (:func:`.decide.lifetime_order`;
+fixed bottom-up search under a new variable order each try (:func:`.decide.bottom_up_order`;
 bounded by deterministic time, so load does not cut it short), then the skyline
 search of :mod:`.skyline` (fast on sets that are full at every instant, blind with free
 space, so it gets a short slice) and CP-SAT decisions of :mod:`.decide` with and
@@ -114,13 +114,13 @@ def lanes_for(workers: int, seed: int, bisecting: bool = False, round_: int = 0)
     solves most; a hint from greedy slowed CP-SAT down by 10-100x at the bound; the
     plain model and energetic reasoning solve others; CP-SAT's fixed bottom-up search
     and the skyline solve sets that are full at every instant. One worker runs them
-    all in one lane. Above the floor (``bisecting``) the hinted member goes first: a
-    placement just above the capacity is a good start there, and without it CP-SAT
-    found nothing even at 1.15 x the bound on MiniMalloc's D in 0.03 deterministic
-    time.
+    all in one lane. Above the floor (``bisecting``) the hinted member comes right
+    after the first bottom-up try: a placement just above the capacity is a good start
+    there, and without it CP-SAT found nothing even at 1.15 x the bound on MiniMalloc's
+    D in 0.03 deterministic time.
 
-    The bottom-up member (CP-SAT's fixed search under longest-lived-first orders,
-    :func:`.decide.lifetime_order`) leads every lane: on the 450- and 600-buffer
+    The bottom-up member (CP-SAT's fixed search under the orders of
+    :func:`.decide.bottom_up_order`) leads every lane: on the 450- and 600-buffer
     generated sets, with and without free space, it was the only member that placed
     them at or near the bound within 10 s, each success within 1.6 s of one order, so
     it tries :data:`BOTTOM_UP_TRIES` new orders a pass, interleaved with the other
@@ -279,21 +279,17 @@ def _run_rung(red: Reduced, cap: int, lanes: list[list[Member]], share: float, d
                         continue  # the skyline's restarts all ran in the first pass
                     end = time.perf_counter() + SKYLINE_SHARE * max(0.0, rung_end - time.perf_counter())
                     a = _skyline(red, cap, seed, stop, deterministic, end)
-                    attempts[k].append(a)
-                    if a.status != UNKNOWN:
-                        stop.set()
-                        return
-                    continue
-                v = replace(m.variant, seed=m.variant.seed + pass_)
-                if v.order >= 0:  # a new order each pass (docstring of lanes_for)
-                    v = replace(v, order=v.order + pass_ * m.stride)
-                if deterministic:
-                    det, end = share / max(1, n_cp), rung_end
-                elif m.det_slice > 0:
-                    det, end = m.det_slice * 2 ** pass_, rung_end
                 else:
-                    det, end = 1e9, min(rung_end, time.perf_counter() + m.weight * RESTART_SLICE * 2 ** pass_)
-                a = decide_cpsat(red, cap, v, det, end, hint=hint, stop=stop)
+                    v = replace(m.variant, seed=m.variant.seed + pass_)
+                    if v.order >= 0:  # a new order each pass (docstring of lanes_for)
+                        v = replace(v, order=v.order + pass_ * m.stride)
+                    if deterministic:
+                        det, end = share / max(1, n_cp), rung_end
+                    elif m.det_slice > 0:
+                        det, end = m.det_slice * 2 ** pass_, rung_end
+                    else:
+                        det, end = 1e9, min(rung_end, time.perf_counter() + m.weight * RESTART_SLICE * 2 ** pass_)
+                    a = decide_cpsat(red, cap, v, det, end, hint=hint, stop=stop)
                 attempts[k].append(a)
                 if a.status != UNKNOWN:
                     stop.set()
