@@ -33,6 +33,7 @@ from ..runtime.backend import backend_for
 from ..runtime.stats import RunStats
 from .graph_trace import GraphFacts
 from .hook import PartitionRecord, PlanPartitioner, hook_support
+from .memo import PlanMemo, graph_key
 from .plan import GraphPlan, plan_graph
 from .predict import predict_graph
 
@@ -209,6 +210,7 @@ class CompiledOffload:
         self.graphs: list[GraphReport] = []
         self.records: list[PartitionRecord] = []
         self.compiles = 0
+        self._memo = PlanMemo()
         self.model = torch.compile(model, backend=self._compile, **compile_kwargs)
 
     # -- the torch.compile backend ----------------------------------------------------
@@ -224,8 +226,33 @@ class CompiledOffload:
             slot_base=report.index * SLOTS_PER_GRAPH,
         )
         self._pending: list[Callable[[], None]] = []
+        self._front: dict[str, Any] = {}
+        partitioned = len(self.records)
         fn = _compile_graph(gm, example_inputs, self.backend_name, partitioner)
+        key = graph_key(gm, example_inputs, partitioner.uuid())
+        if len(self.records) > partitioned:
+            self._memo.save(key, {"report": report.as_dict(), **self._front})
+        else:  # torch's cache gave the compiled code: the partitioner did not run
+            self._replay(self._memo.load(key), report)
         return _Counted(fn, report, self._pending)
+
+    def _replay(self, memo: dict[str, Any] | None, report: GraphReport) -> None:
+        """Redo the front-end half of a plan torch's cache answered for (:mod:`.memo`)."""
+        if memo is None:
+            warnings.warn(f"tierflow compiled: graph {report.index} came from torch's cache with no record of "
+                          "its plan; its report is empty and its host buffers are made on first use", RuntimeWarning, stacklevel=3)
+            return
+        for k, v in memo["report"].items():
+            if k not in ("index", "calls"):
+                setattr(report, k, v)
+        self._front = {"reserve": []}
+        self._reserve_for(memo.get("reserve", []))
+
+    def _reserve_for(self, reserve: list[list[int]]) -> None:
+        """Host buffers for one graph's offloads, made before its first call."""
+        for slot, nbytes in reserve:
+            self._pending.append(lambda slot=slot, nbytes=nbytes: self.backend.reserve(slot, nbytes))
+            self._front["reserve"].append([slot, nbytes])
 
     def _carried(self, report: GraphReport) -> tuple[int, int]:
         """Bytes earlier graphs keep saved, and would save unplanned, while ``report``'s runs."""
@@ -266,10 +293,13 @@ class CompiledOffload:
         report.predicted_peak_bytes_planned = plan.predicted_peak_bytes
         report.target_bytes = plan.target_bytes
         report.unreachable = plan.unreachable
-        report.predicted_step_s = predict_graph(facts, plan).step_s
-        for name in rec.offloaded:
-            slot, nbytes = rec.slots[name], sizes[name]
-            self._pending.append(lambda slot=slot, nbytes=nbytes: self.backend.reserve(slot, nbytes))
+        try:
+            report.predicted_step_s = predict_graph(facts, plan).step_s
+        except Exception as e:  # noqa: BLE001 - a prediction must never stop a compile
+            report.predicted_step_s = None
+            warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
+        self._front = {"reserve": []}
+        self._reserve_for([[rec.slots[n], sizes[n]] for n in rec.offloaded])
 
     def __enter__(self) -> CompiledOffload:
         return self

@@ -74,7 +74,7 @@ class PartitionRecord:
     saved_after: int = 0
 
 
-_PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py")
+_PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py")
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -130,9 +130,11 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         kwargs.setdefault("compiler", "inductor")
         n_out = kwargs["num_fwd_outputs"]
         dry_fwd, dry_bwd = min_cut_rematerialization_partition(_copy(gm), joint_inputs, **kwargs)
+        hoist_saved_views(dry_fwd, n_out)
         facts = graph_facts(dry_fwd, dry_bwd, n_out)
         plan = self.decide(facts)
         fwd, bwd = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        hoist_saved_views(fwd, n_out)
         record = PartitionRecord(facts, plan)
         if plan.offload:
             self._rewrite(fwd, bwd, n_out, plan, record)
@@ -198,6 +200,31 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         bwd.recompile()
 
 
+def hoist_saved_views(fwd: fx.GraphModule, n_out: int) -> int:
+    """Move each saved view to right after what it is made from; how many moved.
+
+    The partitioner makes the views the backward reads (a reshape of a matrix product's
+    output, say) at the end of the forward graph, so their base looks used to the end
+    and could never leave the device in between. A view computes nothing and reads only
+    its inputs' metadata: made early, its base's last real use is where the plan may take
+    it off the device (the offload op copies the view's elements)."""
+    outs = [n for n in fwd.graph.find_nodes(op="output")[0].args[0][n_out:] if isinstance(n, fx.Node)]
+    saved = set(outs)
+    moved = 0
+    for node in list(fwd.graph.nodes):  # graph order: a view's view moves after it
+        if node not in saved or node.op != "call_function" or not is_view(node) or not node.all_input_nodes:
+            continue
+        order = {n: i for i, n in enumerate(fwd.graph.nodes)}
+        anchor = max(node.all_input_nodes, key=lambda n: order[n])
+        if order[anchor] + 1 < order[node]:
+            anchor.append(node)
+            moved += 1
+    if moved:
+        fwd.graph.lint()
+        fwd.recompile()
+    return moved
+
+
 def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
     """The last tensor the backward graph computes before ``first`` (not a view): the
     input that keeps a reload from being scheduled earlier."""
@@ -213,4 +240,4 @@ def _bytes(n: fx.Node) -> int:
     return tensor_bytes(n.meta.get("val"))
 
 
-__all__ = ["PartitionRecord", "PlanPartitioner", "hook_support"]
+__all__ = ["PartitionRecord", "PlanPartitioner", "hoist_saved_views", "hook_support"]
