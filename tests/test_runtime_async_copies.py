@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierflow.runtime import executor, train
+from tierflow.runtime import executor, tier_set, train
 from tierflow.runtime.streams import Copier
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
@@ -50,12 +50,12 @@ class _LateCopier(Copier):
 @pytest.fixture
 def late_copies(monkeypatch):
     _LateCopier.log = {"copies": 0, "after": 0, "synchronized": 0}
-    monkeypatch.setattr(executor, "Copier", _LateCopier)
+    monkeypatch.setattr(tier_set, "Copier", _LateCopier)
     enter = executor.Run.__enter__
 
     def entered(self):
         run = enter(self)
-        self._memmove = False  # every host move through the copy layer, as on CUDA
+        self._tiers.memmove = False  # every host move through the copy layer, as on CUDA
         return run
 
     monkeypatch.setattr(executor.Run, "__enter__", entered)

@@ -52,11 +52,11 @@ def test_measuring_leaves_the_run_as_it_was():
         for _ in range(3):
             step()
         run._reap()
-        before = (run.stats.to_dict(), run._device_bytes, set(run._entries), run._optab, run._n_ops,
+        before = (run.stats.to_dict(), run._ledger.used, run._ledger.peak, set(run._entries), run._optab, run._n_ops,
                   run._chains, run.budget, run._quiet, run._fast)
         costs = measure_host_costs(run, ops=8, rounds=2)
         run._reap()
-        after = (run.stats.to_dict(), run._device_bytes, set(run._entries), run._optab, run._n_ops,
+        after = (run.stats.to_dict(), run._ledger.used, run._ledger.peak, set(run._entries), run._optab, run._n_ops,
                  run._chains, run.budget, run._quiet, run._fast)
         assert costs.op_issue_s > 0 and costs.recompute_issue_s > 0
         assert after == before

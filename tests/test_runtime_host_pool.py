@@ -297,7 +297,7 @@ def test_pool_is_grown_to_the_plan_s_layout_at_planning():
             loss_fn(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            sizes.append((run.stats.replans, run.stats.planned_steps, run._host.chunk_sizes))
+            sizes.append((run.stats.replans, run.stats.planned_steps, run._tiers.host.chunk_sizes))
     planned_at = next(i for i, (replans, _, _) in enumerate(sizes) if replans)
     assert sizes[planned_at][1] == 0  # (the plan was made, not yet followed)
     span, largest = run._layout_need["host"]

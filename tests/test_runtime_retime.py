@@ -66,7 +66,7 @@ def test_first_followed_iterations_remake_the_prediction():
         step()  # the first few only
         assert run.trace is trace and st.predicted_step_time_s == run.prediction.time_s
         # each op's time: its median over the timed iterations
-        samples = run._op_samples
+        samples = run._retimer.op_samples
         assert all(len(d) == RETIMED for d in samples if d)
         assert all(o.duration_s == sorted(d)[RETIMED // 2] for o, d in zip(trace.ops, samples) if d)
 
@@ -159,6 +159,6 @@ def test_a_recompute_plan_charges_its_replays_as_measured():
         # (each sample is a difference of measured times, clamped at 0: on a loaded
         # machine the forward's own op times can exceed the replay's, so no verdict on
         # its size; the prediction must use these samples, not the probe's figure)
-        samples = run._replay_samples
+        samples = run._retimer.replay_samples
         assert len(samples) == RETIMED and all(x >= 0 for x in samples)
         assert run.hardware.recompute_issue_s == sorted(samples)[RETIMED // 2]

@@ -78,7 +78,7 @@ def test_cpu_mode_prices_each_move_and_the_probe_leaves_no_trace():
         # (storages that died while it measured were taken off; the batch, made before
         # the block, is not the budget's)
         run._reap()
-        assert run._device_bytes == sum(e.nbytes for e in run._entries.values() if e.state == "resident" and e.counted)
+        assert run._ledger.used == sum(e.nbytes for e in run._entries.values() if e.state == "resident" and e.counted)
 
 
 def test_the_move_probe_times_the_planned_path_and_puts_everything_back(monkeypatch):
@@ -115,12 +115,12 @@ def test_the_move_probe_times_the_planned_path_and_puts_everything_back(monkeypa
             monkeypatch.setattr(Run, name, counted)
         run._reap()
         before = (run._actions, run._iter_entries, list(run._pending), run.budget, list(run._lru),
-                  run._device_bytes, copy.deepcopy(run.stats))
+                  run._ledger.used, copy.deepcopy(run.stats))
         cost = run._probe_move_s(rounds=4, tensors=3)
         assert 0 < cost < 0.01
         assert calls["_fire"] == 4 * 6 and calls["_issue_pending"] >= 4 * 3
         after = (run._actions, run._iter_entries, list(run._pending), run.budget, list(run._lru),
-                 run._device_bytes, run.stats)
+                 run._ledger.used, run.stats)
         assert after[0] is before[0] and after[1] is before[1] and after[2:5] == before[2:5]
         assert after[5] == before[5] and after[6] == before[6]
 

@@ -21,8 +21,9 @@ ends by ``record_stream``); the copy back runs on the compute stream after the c
 finished. On the CPU the host tier is plain host memory allocated before the step:
 what the allocator sees during a step is the device side only, as on a GPU.
 
-The eager runtime (:class:`tierflow.runtime.executor.Run`) still keeps its own tiers;
-moving it onto this back-end is future work (see docs/runtime.md, "Module layout").
+The eager runtime (:class:`tierflow.runtime.executor.Run`) moves whole storages into an
+arena-managed host pool and an SSD file: its back-end is
+:class:`tierflow.runtime.tier_set.Tiers` (see docs/runtime.md, "Module layout").
 """
 
 from __future__ import annotations

@@ -68,19 +68,20 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
 from ..units import parse_bytes
-from . import tiers
+from .collectives import InFlight
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
 from .homecoming import bring_home
 from .host_step import HostSteps
 from .kernel_times import KernelTimer, mark
+from .ledger import DeviceLedger
 from .moves import Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
 from .outside import CheckpointGuard, OutsideWork
 from .profiling import Profiling
 from .recompute import Recomputing, rng_states
-from .retime import Retiming
+from .retime import Retimer
 from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
 from .stats import RunStats
 from .storages import (
@@ -101,8 +102,7 @@ from .storages import (
     _written_args,
     _written_at,
 )
-from .streams import Copier
-from .tiers import HostPool, SSDStore
+from .tier_set import Tiers
 
 PolicyArg = str | Callable[[Trace, Hardware, float], Plan]
 
@@ -180,7 +180,7 @@ def _dispatch(self, func, types, args=(), kwargs=None):
         finally:
             run._quiet = False
             if run._timing:  # (a collective in a timed followed iteration: see retime)
-                run._handler_s += time.perf_counter() - t0
+                run._retimer.add_handler_s(time.perf_counter() - t0)
     finally:
         _set_eval_frame(prior)
 
@@ -215,7 +215,7 @@ class _Mode(TorchDispatchMode):
     __torch_dispatch__ = _dispatch
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling, OpFacts, Retiming):
+class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -285,51 +285,30 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._layout: dict[tuple[int, int, str], int] = {}  # planned pool/file offsets
         self.plan: Plan | None = None
         self.hardware: Hardware | None = None
+        # CPU mode: the plan's first followed iterations timed, its prediction made again
+        # from them (runtime/retime.py); _timing: this iteration is (the lean path reads it)
+        self._retimer = Retimer.idle()
+        self._timing = False
+        self._opfacts = OpFacts()  # the profiled iteration's scopes, flags and ticks (runtime/opfacts.py)
         self._open = False
 
     def __enter__(self) -> Run:
         model_bytes = sum(_storage_bytes(t) for t in self._state_tensors())
-        # The host pool: host_bytes, a fixed size allocated now; by default it grows by
-        # chunks as evictions need room, and after planning to the plan's host peak, up
-        # to the host's available memory less a margin (the planner is told that bound).
-        pin = self.device.type == "cuda"
-        if self._host_bytes is not None:
-            self._host = HostPool(parse_bytes(self._host_bytes), pin=pin, fixed=True)
-        else:
-            # NOTE: ranks on one host (torchrun sets LOCAL_WORLD_SIZE) share its memory
-            bound = tiers.host_memory_bound() // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-            if not self._cuda and math.isfinite(self.budget):
-                # NOTE: in CPU mode the "device" is host RAM too: what the iteration keeps
-                # there (up to the budget) beyond the model state, already allocated, is
-                # not the pool's to take
-                bound -= max(int(self.budget) - model_bytes, 0)
-            self._host = HostPool(max(bound, 0), pin=pin)
-        self._memmove = self.device.type == "cpu"  # (moves.Moves: host moves by memmove)
-        self._ssd: SSDStore | None = None
-        if self._ssd_dir is not None:
-            # the SSD file's default: weights, gradients and two Adam moments, plus the
-            # budget's worth of activations
-            default = 4 * model_bytes + int(min(self.budget, 4 * model_bytes)) + (16 << 20)
-            cap = parse_bytes(self._ssd_bytes) if self._ssd_bytes is not None else default
-            # (ssd_bytes: a fixed size; by default the file starts there and grows, up to
-            # the disk's free space less a margin)
-            limit = None if self._ssd_bytes is not None else tiers.disk_bound(self._ssd_dir)
-            self._ssd = SSDStore(self._ssd_dir, cap, bounce_bytes=min(max(cap // 4, 16 << 20), 256 << 20),
-                                 workers=self._io_workers, pin=self.device.type == "cuda", limit=limit)
-        self.stats.ssd_bounce_bytes = self._ssd.bounce.capacity if self._ssd else 0
-        self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes)
-        self._copier = Copier(self.device)
-        self.stats.blocking_waits = self._copier.waits  # (the same dict: counted as they happen)
+        # the tiers and the copies: one component owns them (runtime/tier_set.py)
+        self._tiers = Tiers.open(self.device, budget=self.budget, model_bytes=model_bytes,
+                                 host_bytes=self._host_bytes, ssd_dir=self._ssd_dir, ssd_bytes=self._ssd_bytes,
+                                 io_workers=self._io_workers)
+        self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes, ssd_bounce_bytes)
+        self.stats.blocking_waits = self._tiers.copier.waits  # (the same dict: counted as they happen)
+        # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
+        self._frees = self._tiers.frees
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
         self._by_key: dict[str, _Entry] = {}
         self._dead: deque[int] = deque()
-        self._frees: deque[tuple[Any, Any, int, int]] = deque()  # (event, arena, off, n)
         self._writes: list[_Entry] = []
         self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room
-        self._device_bytes = 0  # accounted: resident storages and those still leaving
-        self._leaving: deque[tuple[Any, int]] = deque()  # (event, bytes) of copies out in flight (CUDA)
-        self._leaving_bytes = 0
+        self._ledger = DeviceLedger()  # accounted device bytes, copies out in flight, the peak (runtime/ledger.py)
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._held: list[_Entry] = []  # profiling: what the loop held when the iteration began
         self._from_profile = False  # the next planned iteration is the first after a profile
@@ -348,10 +327,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._outside_ran = False  # an op ran between iterations (see _begin)
         self._fast = False
         self._recording = self._planned = self._hinted = False
-        self._iter_peak = 0
         self._need_profile = True
         self._iters_begun = 0
-        self._inflight: list[tuple[list[Any], list[_Entry], list[_Entry]]] = []  # (Works, pinned, written)
+        # collectives in flight and what they pin (runtime/collectives.py); the list is
+        # read on every op: an alias of the component's, never reassigned
+        self._collectives = InFlight()
+        self._inflight = self._collectives.records
         self._foreign: dict[int, _Entry] = {}
         from .distributed import RankSync, world
 
@@ -392,7 +373,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             torch.cuda.reset_peak_memory_stats(self.device)
             # what was on the device before the block (another model, the data) is not
             # the run's: untracked memory is counted above this
-            self._untracked_base = torch.cuda.memory_allocated(self.device) - self._device_bytes
+            self._untracked_base = torch.cuda.memory_allocated(self.device) - self._ledger.used
         # (state dicts taken inside the block never hold an away tensor: runtime/outside.py)
         self._checkpoints = CheckpointGuard(self)
         self._checkpoints.install(self.model, self.optimizer)
@@ -409,13 +390,13 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             return
         self._open = False
         self._quiet = True
-        self._copier.waits = {}  # (bringing everything home waits by design: not counted)
+        self._tiers.stop_counting_waits()  # (bringing everything home waits by design)
         errors: list[str] = []
         try:
             if self._hook is not None:  # (an iteration followed at ticks, cut short: the mode back)
                 self._hook.close()
-            self._facts_end()  # (a profiled iteration cut short: its scope tracker's hooks)
-            self._ticks_end()  # (and its tick log's)
+            self._opfacts.end_scopes()  # (a profiled iteration cut short: its scope tracker's hooks)
+            self._opfacts.end_ticks()  # (and its tick log's)
             if self._kernel_timer is not None:  # (and its profiler)
                 self._kernel_timer.close()
                 self._kernel_timer = None
@@ -432,7 +413,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # they fit, else on the host (runtime/homecoming.py)
             self.stats.state_after_block = bring_home(self, errors)
             self._drain_writes(raise_errors=False)
-            self._copier.drain()
+            self._tiers.copier.drain()
             self._reap()
             if not self._in_iter and self._outside_ran:  # (validation after the last step)
                 self._fold_outside_peak()
@@ -444,15 +425,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             if self._sync is not None:
                 self._sync.close()
                 self._sync = None
-            self.stats.host_pool_peak = self._host.arena.peak
             self._tiers_sized()
-            self._host.close()
-            if self._ssd is not None:
-                self._ssd.close()
+            self.stats.host_pool_peak = self._tiers.close()
             self._entries.clear()
             self._lru.clear()
             self._by_key.clear()
-            self._inflight.clear()
+            self._collectives.clear()
             self._foreign.clear()
         if errors and exc is None:
             raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
@@ -518,7 +496,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._host_release()
             restore(self, cache.plans[sig])
             if self.plan.host_steps:
-                self._host_adopt(self.trace, self.plan)
+                self._adopt_host_steps(self.trace, self.plan)
             if not self._dominated:
                 cache.followed(sig)
             cache.current = sig
@@ -565,8 +543,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         dict, logging) into the run's figures."""
         st = self.stats
         if math.isfinite(self.budget):  # (a share budget is known from the first plan on)
-            st.peak_device_bytes_outside = max(st.peak_device_bytes_outside, self._iter_peak)
-            st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
+            st.peak_device_bytes_outside = max(st.peak_device_bytes_outside, self._ledger.peak)
+            st.peak_device_bytes = max(st.peak_device_bytes, self._ledger.peak)
 
     def _begin(self) -> None:
         if self._outside_ran:
@@ -595,7 +573,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         hooked = self._fast and self._planned and self._hook is not None and self._hook.usable(self)
         if self._fast and not hooked:  # (following at ticks needs the saved-tensor hooks)
             self._hooks_off_for_iteration()
-        self._retime_begin()
+        self._timing = self._retimer.begin(self._planned, getattr(self, "_n_ops", 0),
+                                           (self.stats.recompute_s, self.stats.recomputed_ops))
         # (an optimizer still without state after one step keeps none: SGD without momentum)
         self._warmup = self.optimizer is not None and not any(self.optimizer.state.values()) and self._iters_begun == 0
         # DDP rebuilds its gradient buckets in its second forward (other ops, other
@@ -613,13 +592,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._hook_ops: list[int] = []  # recorded ops our saved-tensor hooks caused (see _unpack)
         self._sigs: list[tuple] = []
         if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
-            self._facts_begin()
-        self._ticks_begin()  # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
-        if self._planned:  # persistent tensors the plan starts the iteration without
-            for key, tier in self._start_away.items():
-                e = self._by_key.get(key)
-                if e is not None and e.state == RESIDENT and self._evict(e, tier):
-                    self.stats.planned_moves += 1
+            self._opfacts.begin_scopes(self.model)
+        # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
+        self._opfacts.begin_ticks(self.model, self._recording, self._recorded_ops)
+        if self._planned:
+            self._leave_start_away()  # (persistent tensors the plan starts the iteration without)
             # (after a profile, or after ops between iterations moved what the plan
             # starts with: validation, a state dict; runtime/outside.py)
             if self._from_profile or self._outside_ran:
@@ -629,7 +606,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         if self._recording:
             self._held = self._held_entries()
-        self._iter_peak = self._device_bytes
+        self._ledger.start_peak()
         self._budgeted = math.isfinite(self.budget)
         self._t0 = time.perf_counter()
         if self.device.type == "cuda":
@@ -648,8 +625,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._host_finish()  # [host steps] every host update done, parameters back
         if not self._in_iter:
             return
-        self._facts_end()
-        self._ticks_end()
+        self._opfacts.end_scopes()
+        self._opfacts.end_ticks()
         if not self._fast:  # (a clean planned iteration made no state the profile did not see)
             self._label_opt_state()
         self._in_iter = False
@@ -664,9 +641,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                              if self._recording else "reactive")
         self._time_step(kind)
         if self._budgeted or (self._budget_bytes is None and self._budget_share is None):
-            st.peak_device_bytes = max(st.peak_device_bytes, self._iter_peak)
+            st.peak_device_bytes = max(st.peak_device_bytes, self._ledger.peak)
         else:  # a share budget: the profile iteration that measured the peak ran without one
-            st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._iter_peak)
+            st.peak_device_bytes_unconstrained = max(st.peak_device_bytes_unconstrained, self._ledger.peak)
         if self._planned and not self._stale and self._op != self.trace.n_ops:
             self._mark_stale(f"the iteration ran {self._op} ops, the trace has {self.trace.n_ops}")
         want = self._recording and not self._warmup
@@ -701,17 +678,22 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._quiet = False
         elif (self._planned or self._hinted) and not self._stale:
             st.planned_steps += 1
-            st.peak_device_bytes_planned = max(st.peak_device_bytes_planned, self._iter_peak)
+            st.peak_device_bytes_planned = max(st.peak_device_bytes_planned, self._ledger.peak)
         else:
             st.reactive_steps += 1
         if self._timing:
-            self._retime_end(wall)
+            self._timing = False
+            followed = not self._stale and self._op == self.trace.n_ops
+            retimed = self._retimer.end(wall, followed, getattr(self, "_host_costs", None),
+                                        (st.recompute_s, st.recomputed_ops))
+            if retimed is not None:
+                self._adopt_retimed(retimed)
         if self._stale and not self._dominated:  # (a dominated iteration's departure says nothing of its plan)
             self._need_profile = True
         self._iter_tid, self._iter_entries = {}, []
         # (from here: the peak of the ops between iterations, _fold_outside_peak; not what
         # the iteration left, above a share budget after the unconstrained profile)
-        self._iter_peak = 0
+        self._ledger.clear_peak()
         self._reset_chains()  # (what a chain holds is released with the iteration)
 
     def _time_step(self, kind: str) -> None:
@@ -748,7 +730,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._outside_ran = True
         # profiling: every op the model dispatches is asked its scope (that is what ties
         # the autograd nodes it makes to its module, for backward's scopes)
-        scope = self._scopes.scope() if self._scopes is not None else None
+        scope = self._opfacts.scope()
         unpacked, self._unpacked = self._unpacked, None  # (see _unpack, _build_trace)
         if self._dead or self._frees or self._writes or self._inflight:
             self._reap()
@@ -850,7 +832,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     seen = self._untracked_now()
                     if seen > self._untracked_seen:
                         self._untracked_seen = seen
-                self._note_facts(scope, func, args, kwargs)
+                self._opfacts.note(len(self._rec) - 1, scope, func, args, kwargs, self._written_tid)
                 self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
                 if unpacked is not None and func is _DETACH and _storage_id_of(args[0], types) == unpacked:
                     self._hook_ops.append(len(self._rec) - 1)  # autograd's, after our unpack hook
@@ -860,6 +842,15 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._fire(i, hints=self._hinted)
             self._op = self._next_op[i] if following else self._op + 1  # [host steps] past host ops
         return out
+
+    def _recorded_ops(self) -> int:
+        """Ops recorded so far in the profiled iteration (where a tick falls)."""
+        return len(self._rec)
+
+    def _written_tid(self, t: Any) -> int | None:
+        """The trace id of a tensor an op just wrote (None: off the device, no storage)."""
+        e = self._entry(t)
+        return self._iter_tid.get(e.cdata) if e is not None else None
 
     def _follows(self) -> bool:
         """Whether this iteration is following a plan (planned, or a reactive plan's
@@ -921,6 +912,15 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         elif self._bind_out[i] is not None:
             self._bind(i, self._bind_out[i], outs)
 
+    def _timed_follow_op(self, func, args, kwargs):
+        """``_follow_op`` with the time spent inside it counted (the handler's share, see
+        retime)."""
+        t0 = time.perf_counter()
+        try:
+            return self._follow_op(func, args, kwargs)
+        finally:
+            self._retimer.add_handler_s(time.perf_counter() - t0)
+
     def _follow_op(self, func, args, kwargs):
         """The steady state: op ``self._op`` of an iteration following its plan, that
         matches its trace so far. What :meth:`_handle` does for such an op, and nothing
@@ -940,7 +940,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # (one row of per-op facts, see _make_plan: one lookup instead of a dozen)
         _f, trivial, next_op, flat, binds, levers, born, views_only, sizes, spots, bind_out, moves = row
         if trivial:  # (metadata only, nothing planned here: storages.METADATA_ONLY)
-            out = self._timed_call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
+            out = self._retimer.call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
             self._op = next_op  # (i + 1, past ops the host runs)
             return out
         entries, dev, entry = self._entries, self._dev_attr, self._entry
@@ -985,7 +985,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # (and has re-made the dropped ones: no room to make for them again)
             away = sum(e.nbytes for e in ins if e.state is not RESIDENT)
         need = away + born
-        if self._device_bytes + need > self.budget:
+        ledger = self._ledger
+        if ledger.used + need > self.budget:
             self._make_room(need, ins)
         if fix:
             for e in ins:
@@ -996,7 +997,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         chains = self._chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         # (the first followed iterations time each op: see retime)
-        out = self._timed_call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
+        out = self._retimer.call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
         if views_only:  # (views of the arguments: no new storage, nothing to check)
             outs = _NO_OUTS
         else:
@@ -1046,14 +1047,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             if self._drops[i]:
                 self._drop(i)
             if self._timing:  # (what recompute costs forward: see retime)
-                self._record_s += time.perf_counter() - t0
+                self._retimer.add_record_s(time.perf_counter() - t0)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
             # (the op's inputs: a result enters the LRU order at its end when it is bound)
             lru = self._lru
             for e in ins:
                 if e.cdata in lru:
                     lru.move_to_end(e.cdata)
-        if self._device_bytes > self._iter_peak:
+        if ledger.used > ledger.peak:
             self._note_peak()
         if moves and not self._stale:
             self._fire(i, hints=self._hinted)
@@ -1080,7 +1081,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         """Account a resident storage an op resized; the bytes it grew by."""
         n = e.ref().nbytes()
         self._make_counted(e)  # (resized inside the block)
-        self._device_bytes += n - e.nbytes
+        self._ledger.add(n - e.nbytes)
         grown = max(0, n - e.nbytes)
         e.top = max(e.top, e.nbytes)
         e.nbytes = n
@@ -1135,15 +1136,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def tier_usage(self) -> dict[str, int]:
         """Bytes in use right now: ``device`` (accounted), ``host`` (pool slots),
         ``ssd`` (file slots), ``bounce`` (SSD staging)."""
-        out = {"device": self._device_bytes, "host": self._host.arena.used}
-        if self._ssd is not None:
-            out["ssd"], out["bounce"] = self._ssd.arena.used, self._ssd.bounce.used
-        return out
+        return {"device": self._ledger.used, **self._tiers.usage()}
 
     @property
     def device_bytes(self) -> int:
         """Bytes the runtime accounts as resident on the device right now."""
-        return self._device_bytes
+        return self._ledger.used
 
 
 def offload(

@@ -71,7 +71,7 @@ class PlanFollowing:
                 done = self._evict(e, tier, slot)
             elif e.state is RESIDENT or e in self._pending:
                 done = False
-            elif hints and self._device_bytes + e.nbytes <= self.budget:
+            elif hints and self._ledger.used + e.nbytes <= self.budget:
                 done = self._prefetch(e)
             elif hints:
                 # NOTE: a UVM-style prefetch hint makes room, like a fault, but not yet:
@@ -93,6 +93,14 @@ class PlanFollowing:
         if self._pending and not hints:
             self._issue_pending()
 
+    def _leave_start_away(self) -> None:
+        """A planned iteration begins: the persistent tensors its plan starts without
+        leave the device (where they are still on it)."""
+        for key, tier in self._start_away.items():
+            e = self._by_key.get(key)
+            if e is not None and e.state == RESIDENT and self._evict(e, tier):
+                self.stats.planned_moves += 1
+
     def _enter_start_state(self) -> None:
         """Before the first planned iteration after a profile: bring back the parameters
         and optimizer state the plan has on the device when an iteration starts. The
@@ -104,7 +112,7 @@ class PlanFollowing:
         for key, e in self._by_key.items():
             if e.state != AWAY or key in away or e.tier == "home" or e.ref() is None:
                 continue
-            if self._device_bytes + e.nbytes > self.budget:
+            if self._ledger.used + e.nbytes > self.budget:
                 break  # (what does not fit comes back when used)
             if self._prefetch(e):
                 self.stats.planned_moves += 1
@@ -139,16 +147,17 @@ class PlanFollowing:
     def _issue_pending(self) -> None:
         """Start queued prefetches, in order: a planned one when it fits the budget, a
         reactive plan's hint at the first op after the one it follows (making room)."""
+        ledger = self._ledger
         while self._pending:
             e = self._pending[0]
             if e.ref() is None or e.state != AWAY:
                 self._pending.popleft()
                 continue
-            if self._device_bytes + e.nbytes > self.budget and self._leaving:
+            if ledger.used + e.nbytes > self.budget and ledger.leaving:
                 self._retire_leaving()  # (copies out that landed since give their room)
-            if self._device_bytes + e.nbytes > self.budget and self._dead_held and not self._hinted:
+            if ledger.used + e.nbytes > self.budget and self._dead_held and not self._hinted:
                 self._evict_dead_held(e.nbytes)
-            if self._device_bytes + e.nbytes > self.budget:
+            if ledger.used + e.nbytes > self.budget:
                 if not self._hinted:
                     return  # a planned prefetch waits for room (as simulated)
                 self._make_room(e.nbytes, [])  # a hint makes room, like a fault
@@ -164,13 +173,12 @@ class PlanFollowing:
     def _evict_dead_held(self, need: int) -> None:
         """Evict gradients past their last use (oldest first) until ``need`` more bytes
         fit the budget: memory the plan counted free."""
-        held = self._dead_held
-        while held and self._device_bytes - self._leaving_bytes + need > self.budget:
+        held, ledger = self._dead_held, self._ledger
+        while held and ledger.used - ledger.leaving_bytes + need > self.budget:
             e = held.popleft()
-            if e.ref() is not None and e.state is RESIDENT and self._evict(e, "host"):
-                self.stats.unplanned_evictions += 1
+            if e.ref() is not None and e.state is RESIDENT and self._evict_beyond_plan(e):
                 self._depart("eviction: a gradient held past its last use, for a planned prefetch")
-        if self._leaving:
+        if ledger.leaving:
             self._retire_leaving(need)
 
     def _victims(self, pinned: set[int]) -> list[_Entry]:
@@ -211,9 +219,9 @@ class PlanFollowing:
             return {}
         from ..pool import from_trace, solve
 
-        arenas = {"host": self._host.arena}
-        if self._ssd is not None:
-            arenas["ssd"] = self._ssd.arena
+        arenas = {"host": self._tiers.host.arena}
+        if self._tiers.ssd is not None:
+            arenas["ssd"] = self._tiers.ssd.arena
         layout: dict[tuple[int, int, str], int] = {}
         self._layout_need = {}  # runtime tier -> (bytes the layout spans, its largest slot)
         free = _uncapped(hw)  # (a plan over a tier's capacity is laid out too: _fit_tiers says so)
@@ -247,7 +255,7 @@ class PlanFollowing:
             OffloadError: the host pool (and the SSD file, where there is one) cannot hold
                 what the plan needs.
         """
-        pool, ssd = self._host, self._ssd
+        pool, ssd = self._tiers.host, self._tiers.ssd
         layout = getattr(self, "_layout_need", {})
         if plan.reactive:
             room = plan.budget_bytes if math.isfinite(plan.budget_bytes) else self.budget  # (less what the loop holds)
@@ -301,12 +309,7 @@ class PlanFollowing:
         is told. Under several ranks, the smallest any rank has (every rank keeps to it):
         the ranks plan for one machine, and each measured its free memory at its own
         moment."""
-        pool, ssd = self._host, self._ssd
-        if self._sync is not None:
-            pool.limit = int(self._sync.min(pool.limit))
-            if ssd is not None:
-                ssd.limit = max(ssd.capacity, int(self._sync.min(ssd.limit)))
-        return pool.limit, (ssd.limit if ssd is not None else 0)
+        return self._tiers.agree_limits(self._sync.min if self._sync is not None else None)
 
     def _planned_host_bytes(self, trace: Trace, plan: Any) -> int:
         """The most bytes a planned plan keeps on its host tiers at once, by the

@@ -130,7 +130,7 @@ def _rehome_on_host(run: Any, errors: list[str]) -> int:
                 except TierflowError as err:
                     errors.append(str(err))
                     continue
-                run._copier.drain()
+                run._tiers.copier.drain()
             st = t.untyped_storage()
             # (a copy also in CPU mode, where .cpu() would return the same storage)
             n = st.nbytes()
@@ -139,7 +139,7 @@ def _rehome_on_host(run: Any, errors: list[str]) -> int:
             moved += n
             if e is not None and e.resizable and not e.foreign:
                 st.resize_(0)  # (its bytes live on the host now: the next storage has the room)
-                run._device_bytes -= min(run._device_bytes, e.nbytes)
+                run._ledger.remove(min(run._ledger.used, e.nbytes))
         cpu = torch.empty(0, dtype=t.dtype).set_(host[sid], t.storage_offset(), t.size(), t.stride())
         _rebind(owner, slot, cpu)
     # what no model or optimizer tensor holds (a cut-short iteration's activations) comes

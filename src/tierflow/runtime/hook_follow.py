@@ -152,7 +152,7 @@ class HookFollower:
                     # LayerNorm weight left away, read by its module unfetched)
                     if e.state is not RESIDENT and t.key not in start_away:
                         run._ensure_resident(e)
-        run._device_bytes += int(self.unseen[0])
+        run._ledger.add(int(self.unseen[0]))
         self._handles = [register_module_forward_pre_hook(self._enter), register_module_forward_hook(self._leave)]
         self._arrive(0)
         run._note_peak()
@@ -192,7 +192,7 @@ class HookFollower:
         if not self.active:
             return
         run = self.run
-        run._device_bytes -= int(self.unseen[min(self.seg, self.n_seg)])
+        run._ledger.remove(int(self.unseen[min(self.seg, self.n_seg)]))
         self.active = False
         run._depart("departure at a tick")
         run._mark_stale(why)
@@ -236,7 +236,7 @@ class HookFollower:
     def _advance(self, seg: int) -> None:
         """Segments ``self.seg .. seg - 1`` are done: their moves fired, ``seg`` begins."""
         run = self.run
-        if run._dead or run._frees or run._writes or run._leaving:
+        if run._dead or run._tiers.frees or run._writes or run._ledger.leaving:
             run._reap()
         for k in range(self.seg, min(seg, self.n_seg)):
             if run._has_moves[k]:
@@ -244,7 +244,7 @@ class HookFollower:
                 if run._stale:
                     return
         delta = int(self.unseen[min(seg, self.n_seg)]) - int(self.unseen[self.seg])
-        run._device_bytes += delta
+        run._ledger.add(delta)
         self.seg = seg
         run._op = seg
         if seg < self.n_seg and self.seg_tensors[seg]:

@@ -84,11 +84,11 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
         numel: elements of the probe's tensors (small: the op's own time is not the point).
     """
     names = ("_optab", "_n_ops", "_op", "_fast", "_quiet", "_hinted", "_stale", "budget", "_op_labels",
-             "_iter_peak", "_chains", "_dropped_in")
+             "_chains", "_dropped_in")
     dev = run.device
     cuda = dev.type == "cuda"
     # (the tables of the plan being made, or none yet, are put back)
-    with left_as_it_was(run, names):
+    with left_as_it_was(run, names), run._ledger.peak_kept():
         with torch._C._DisableTorchDispatch():
             a = torch.ones(numel, device=dev)
             b = torch.ones(numel, device=dev)

@@ -301,15 +301,15 @@ class HostSteps:
 
     # -- adopting a plan ---------------------------------------------------------------
 
-    def _host_adopt(self, trace: Trace, plan: Plan) -> None:
+    def _host_adopt(self, trace: Trace, plan: Plan) -> str | None:
         """Take up ``plan``'s host steps: host buffers, state to the host, hooks, the
         device step's skip set, the follower's op order. A plan whose host steps cannot
         be executed (a parameter that is not its storage whole, not found) is followed
-        without them; ``stats.plan_error`` says why."""
+        without them: the reason is returned (the caller reports it, ``stats.plan_error``)."""
         self._host_release()
         self.stats.host_stepped_params = 0
         if not plan.host_steps or plan.reactive or self.optimizer is None:
-            return
+            return None
         named = dict(self.model.named_parameters())
         wanted: dict[str, tuple[int, int]] = {}  # parameter name -> its gradient's and its tensor ids
         for h in plan.host_steps:
@@ -327,8 +327,7 @@ class HostSteps:
                     p.grad, getattr(self._entry(p.grad), "nbytes", None))):
                 why = f"parameter {name} or its gradient is a view into a larger storage"
             if why is not None:
-                self.stats.plan_error = f"host steps not executed: {why}"
-                return
+                return f"host steps not executed: {why}"
             wanted[name] = (h.grad, h.param)
         # what runs on the host: the units of the optimizer's work whose parameters are
         # all host-stepped (a unit shared with a parameter the device steps stays there,
@@ -343,8 +342,7 @@ class HostSteps:
                 del wanted[n]
         host_ops = {o for unit, names in units if names and names <= wanted.keys() for o in unit}
         if not wanted:
-            self.stats.plan_error = "host steps not executed: each shares its optimizer op with a parameter the device steps"
-            return
+            return "host steps not executed: each shares its optimizer op with a parameter the device steps"
         chosen: list[tuple[str, torch.nn.Parameter, int, int]] = []
         for name, (grad, param) in wanted.items():
             # (a device op reading the parameter after backward, a loop that logs or
@@ -354,8 +352,7 @@ class HostSteps:
             chosen.append((name, named[name], last_grad, max(last_grad, last_param)))
         self._host_groups_seen = None
         if any(self._host_group(p) is None for _, p, _, _ in chosen):
-            self.stats.plan_error = "host steps not executed: a host-stepped parameter is in no param group"
-            return
+            return "host steps not executed: a host-stepped parameter is in no param group"
         cuda = self.device.type == "cuda"
         chunker = self._chunker
         if chunker is None:  # the device step must leave the host-stepped parameters out
@@ -524,7 +521,7 @@ class HostSteps:
             finally:
                 self._quiet = q
                 if self._timing:  # (the runtime's own work, not the model's: see retime)
-                    self._handler_s += time.perf_counter() - t0
+                    self._retimer.add_handler_s(time.perf_counter() - t0)
         return hook
 
     def _host_state_read(self, optimizer: Any, *args: Any) -> None:
@@ -559,14 +556,14 @@ class HostSteps:
                 self._make_room(ge.nbytes, [ge])
                 self._ensure_resident(ge)
             if ge.arrival is not None:
-                self._copier.wait(ge.arrival)
+                self._tiers.copier.wait(ge.arrival)
                 ge.arrival = None
             gst = ge.ref()
             n = ge.nbytes
             if _whole(g, n) and n == hp.grad_buf.numel() * hp.grad_buf.element_size():
                 home = _u8(hp.grad_buf.untyped_storage(), n)
                 src = _u8(gst, n)
-                ev = self._copier.copy(home, src, src)
+                ev = self._tiers.copier.copy(home, src, src)
                 events.append(ev)
                 del src
                 if ge.resizable and not ge.pins and not ge.foreign:
@@ -575,7 +572,7 @@ class HostSteps:
                     self._leave(ev, n)  # (counted until the copy has read it)
                     self._lru.pop(ge.cdata, None)
             else:  # (a view into a larger gradient buffer: copied, left where it is)
-                events.append(self._copier.copy(hp.grad_buf, g.detach(), g))
+                events.append(self._tiers.copier.copy(hp.grad_buf, g.detach(), g))
             self._count("device->host", "host", hp.grad_buf.numel() * hp.grad_buf.element_size())
             ge.synced = True  # (an op that writes it from here on makes this copy stale)
         else:  # (not on the device: a CPU gradient of a CUDA model)
@@ -595,10 +592,10 @@ class HostSteps:
                 self._make_room(e.nbytes, [e])
                 self._ensure_resident(e)
             if e.arrival is not None:
-                self._copier.wait(e.arrival)
+                self._tiers.copier.wait(e.arrival)
                 e.arrival = None
             src = _u8(e.ref(), e.nbytes)
-            hp.events.append(self._copier.copy(e.home, src, src))
+            hp.events.append(self._tiers.copier.copy(e.home, src, src))
             self._count("device->host", "host", e.nbytes)
             e.synced = True
 
@@ -639,10 +636,10 @@ class HostSteps:
         if e.state == RESIDENT:
             st = e.ref()
             if e.arrival is not None:
-                self._copier.wait(e.arrival)
+                self._tiers.copier.wait(e.arrival)
                 e.arrival = None
             st.resize_(0)
-            self._device_bytes -= e.nbytes
+            self._ledger.remove(e.nbytes)
             self._lru.pop(e.cdata, None)
         elif e.tier != "home":  # away in the pool or the file: that copy is obsolete
             self._give_back_slots(e)
@@ -687,8 +684,7 @@ class HostSteps:
         if st is None or st.nbytes() != e.nbytes or e.pins:
             return False
         self._host_drop(e)
-        k = f"{e.kind}@host"
-        self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
+        self._count_move(e.kind, "host")
         return True
 
     def _host_read(self, e: _Entry, event: Any) -> None:

@@ -5,7 +5,8 @@ An eviction copies the storage's bytes out (host pool slot, or SSD bounce slot t
 asynchronous file write) and shrinks the storage to zero bytes; a fetch grows it back
 and copies the bytes in. Copies go through :class:`~tierflow.runtime.streams.Copier`
 (one side stream on CUDA, at once on CPU); slots are released only when the copy that
-reads them has completed (``_frees``), and an SSD write is retired when its future
+reads them has completed (the back-end's queue, :meth:`Tiers.release_after
+<tierflow.runtime.tier_set.Tiers.release_after>`), and an SSD write is retired when its future
 says so (``_writes``). An I/O error never loses bytes: a failed write restores the
 tensor from its bounce slot, a failed read leaves it in the file.
 """
@@ -52,10 +53,10 @@ def left_as_it_was(run: Any, names: tuple[str, ...]) -> Iterator[None]:
 class Moves:
     """Evictions, fetches and their bookkeeping (a mixin of :class:`~tierflow.runtime.executor.Run`).
 
-    NOTE: in CPU mode a move between the device's storage and the host pool is one
-    ``memmove`` between their addresses (``_memmove``): both are plain RAM, and a byte
-    view of each plus a ``copy_`` cost several times the copy itself for the tens of
-    kilobytes most moves carry. On CUDA every copy goes through the side stream.
+    The tiers, the copier and the slots waiting for their copies are the back-end's
+    (:class:`~tierflow.runtime.tier_set.Tiers`, ``self._tiers``): this mixin asks it for
+    slots and copies and never reassigns its parts. In CPU mode a host move is one
+    ``memmove`` (``Tiers.memmove``).
     """
 
     def _make_room(self, need: int, keep: list[_Entry]) -> None:
@@ -70,15 +71,16 @@ class Moves:
             # torch.cuda.max_memory_allocated from the first forward, warm-up and
             # profiled iterations included (the plan's reserve is not counted twice)
             need += max(0, self._untracked_now() - self.stats.untracked_device_bytes)
-        if self._device_bytes + need <= self.budget:
+        ledger = self._ledger
+        if ledger.used + need <= self.budget:
             return
-        if self._leaving:
+        if ledger.leaving:
             self._retire_leaving()
-            if self._device_bytes + need <= self.budget:
+            if ledger.used + need <= self.budget:
                 return
         if self._foreign:  # storages FSDP freed still count at their old size until looked at
             self._sync_foreign()
-            if self._device_bytes + need <= self.budget:
+            if ledger.used + need <= self.budget:
                 return
         if self._in_step and len(self.optimizer.state) != self._labelled_states:
             self._label_opt_state()  # state the optimizer created in this step is evictable too
@@ -87,43 +89,39 @@ class Moves:
             # NOTE: where the copies out still in flight will free the room, waiting for
             # them (below) is all there is to do: the victim search sorts every resident
             # tensor by next use, and ran at such ops on CUDA to evict nothing
-            if self._device_bytes - self._leaving_bytes + need > self.budget:
+            if ledger.used - ledger.leaving_bytes + need > self.budget:
                 for e in self._victims(pinned):  # Belady: the trace's next use, furthest first
-                    if self._device_bytes - self._leaving_bytes + need <= self.budget:
+                    if ledger.used - ledger.leaving_bytes + need <= self.budget:
                         break
-                    if self._evict(e, "host"):
-                        self.stats.unplanned_evictions += 1
+                    if self._evict_beyond_plan(e):
                         e.unplanned = True
                         self._depart("eviction: room an op needed beyond the plan")
         else:
             # least recently used first, found lazily: the front of the LRU order, skipping
             # what this op needs and what cannot move now
             lru, skip = self._lru, pinned
-            while self._device_bytes - self._leaving_bytes + need > self.budget:
+            while ledger.used - ledger.leaving_bytes + need > self.budget:
                 victim = next((e for c, e in lru.items() if c not in skip), None)
                 if victim is None:
                     break
-                if self._evict(victim, "host"):
-                    self.stats.unplanned_evictions += 1
-                else:
+                if not self._evict_beyond_plan(victim):
                     skip = skip | {victim.cdata}
-        if self._leaving:
+        if ledger.leaving:
             self._retire_leaving(need)
 
     def _grow_host(self, nbytes: int) -> bool:
         """Add a chunk to the host pool for a slot of ``nbytes`` (False where the pool is
         fixed or at its limit); the stats follow the pool's size."""
-        if not self._host.grow(nbytes):
+        if not self._tiers.grow_host(nbytes):
             return False
         self._tiers_sized()
         return True
 
     def _tiers_sized(self) -> None:
         """The stats of the tiers' sizes, as they are now (both may grow)."""
-        self.stats.host_pool_bytes = self._host.capacity
-        self.stats.ssd_file_bytes = self._ssd.capacity if self._ssd is not None else 0
-        self.stats.pinned_bytes = self._host.pinned_bytes + (
-            self._ssd.bounce.capacity if self._ssd is not None and self._ssd.pinned else 0)
+        sizes, st = self._tiers.sizes(), self.stats
+        st.host_pool_bytes, st.ssd_file_bytes = sizes.host_pool_bytes, sizes.ssd_file_bytes
+        st.pinned_bytes, st.ssd_bounce_bytes = sizes.pinned_bytes, sizes.ssd_bounce_bytes
 
     def _untracked_now(self) -> int:
         """CUDA: device bytes in use now that no tracked storage explains, above what the
@@ -132,7 +130,7 @@ class Moves:
         if not self._cuda:
             return 0
         return max(0, torch.cuda.memory_allocated(self.device) - self._untracked_base
-                   - self._device_bytes + self._leaving_bytes)
+                   - self._ledger.used + self._ledger.leaving_bytes)
 
     def _leave(self, ev: object, n: int) -> None:
         """A storage of ``n`` device bytes was shrunk while the copy ``ev`` still reads
@@ -141,36 +139,25 @@ class Moves:
         the device: they count against the budget until the copy completes, as the
         simulator holds an eviction's bytes until it lands. (On CPU ``ev`` is None:
         the copy is done.)"""
-        if ev is None:
-            self._device_bytes -= n
-        else:
-            self._leaving.append((ev, n))
-            self._leaving_bytes += n
+        self._ledger.leave(ev, n)
 
     def _retire_leaving(self, need: int | None = None, every: bool = False) -> None:
         """Stop counting the bytes of copies out that have completed (they complete in
         order: one stream). With ``need``: block on the oldest until ``need`` more bytes
         fit the budget (each such wait is counted); ``every``: on all of them."""
-        lv = self._leaving
-        while lv:
-            ev, n = lv[0]
-            if not ev.query():
-                if not (every or (need is not None and self._device_bytes + need > self.budget)):
-                    break
-                if not every:
-                    self._copier.count_wait("eviction in flight")
-                ev.synchronize()
-            lv.popleft()
-            self._device_bytes -= n
-            self._leaving_bytes -= n
+        self._ledger.retire_leaving(need, self.budget, every=every, on_wait=self._eviction_wait)
+
+    def _eviction_wait(self) -> None:
+        self._tiers.copier.count_wait("eviction in flight")
 
     def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
+        tiers = self._tiers
         st = e.ref()
         if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
             return False
         if e.home is not None and self._host_evict(e):  # a host step's master copy has the bytes
             return True
-        if e.pins and not self._unpin(e):
+        if e.pins and not self._collectives.unpin(e):
             self.stats.busy_refusals += 1
             return False
         if st.nbytes() != e.nbytes:  # resized behind our back: its owner manages it
@@ -178,23 +165,23 @@ class Moves:
             self._sync_foreign()
             return False
         n = e.nbytes
-        if tier == "ssd" and self._ssd is None:
+        if tier == "ssd" and tiers.ssd is None:
             tier = "host"
             self.stats.tier_fallbacks += 1
         if tier == "host":
-            off = self._host.arena.alloc_at(slot, n) if slot is not None else None
+            off = tiers.host.arena.alloc_at(slot, n) if slot is not None else None
             if off is not None:
                 self.stats.planned_slots += 1
             else:
-                off = self._host.arena.alloc(n)
+                off = tiers.host.arena.alloc(n)
             if off is None:
                 self._wait_for_transfers("pool full")
-                off = self._host.arena.alloc(n)
+                off = tiers.host.arena.alloc(n)
             if off is None and self._grow_host(n):
-                off = self._host.arena.alloc(n)
+                off = tiers.host.arena.alloc(n)
             if off is None:
-                if self._ssd is None:
-                    pool = self._host
+                if tiers.ssd is None:
+                    pool = tiers.host
                     fix = ("pass a larger host_bytes, or an ssd_dir to spill to" if pool.fixed else
                            f"the pool may grow to {fmt_bytes(pool.limit)}, the host's available memory less "
                            "a margin: pass an ssd_dir to spill to, or a larger budget")
@@ -205,39 +192,51 @@ class Moves:
                 tier = "ssd"
                 self.stats.tier_fallbacks += 1
         if e.arrival is not None:  # it is still arriving: the copy out must follow the copy in
-            self._copier.wait(e.arrival)
+            tiers.copier.wait(e.arrival)
             e.arrival = None
-        if tier == "host" and self._memmove:
-            ctypes.memmove(self._host.address(off), st.data_ptr(), n)
+        if tier == "host" and tiers.memmove:
+            ctypes.memmove(tiers.host.address(off), st.data_ptr(), n)
             e.slot = off
         elif tier == "host":
             src = _u8(st, n)
-            ev = e.departure = self._copier.copy(self._host.view(off, n), src, src)
+            ev = e.departure = tiers.copier.copy(tiers.host.view(off, n), src, src)
             del src
             e.slot = off
         else:
             src = _u8(st, n)
-            assert self._ssd is not None
-            foff = self._ssd.alloc_file(n, e.label, at=slot)
+            assert tiers.ssd is not None
+            foff = tiers.ssd.alloc_file(n, e.label, at=slot)
             if slot is not None and foff == slot:
                 self.stats.planned_slots += 1
             boff = self._bounce_alloc(n)
-            ev = self._copier.copy(self._ssd.bounce_view(boff, n), src, src)
+            ev = tiers.copier.copy(tiers.ssd.bounce_view(boff, n), src, src)
             before = (lambda ev=ev: ev.synchronize()) if ev is not None else None
             e.slot, e.bounce = foff, boff
-            e.io = self._ssd.submit(True, boff, foff, n, before)
+            e.io = tiers.ssd.submit(True, boff, foff, n, before)
             self._writes.append(e)
             del src
         st.resize_(0)
         e.state, e.tier = AWAY, tier
-        if self._memmove and tier == "host":
-            self._device_bytes -= n
+        if tiers.memmove and tier == "host":
+            self._ledger.remove(n)
         else:
             self._leave(ev, n)
         self._lru.pop(e.cdata, None)
         self._count(f"device->{tier}", tier, n)
-        k = f"{e.kind}@{tier}"
+        self._count_move(e.kind, tier)
+        return True
+
+    def _count_move(self, kind: str, tier: str) -> None:
+        """A tensor of ``kind`` left the device for ``tier`` (``stats.moves_by_kind``)."""
+        k = f"{kind}@{tier}"
         self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
+
+    def _evict_beyond_plan(self, e: _Entry) -> bool:
+        """Evict ``e`` to the host where no plan said so (room an op or a prefetch
+        needs), counted (``stats.unplanned_evictions``); False where it cannot move."""
+        if not self._evict(e, "host"):
+            return False
+        self.stats.unplanned_evictions += 1
         return True
 
     def _probe_move_s(self, rounds: int = 16, nbytes: int = 4096, tensors: int = 4) -> float:
@@ -295,32 +294,34 @@ class Moves:
         return elapsed / moved
 
     def _bounce_alloc(self, n: int) -> int:
-        assert self._ssd is not None
-        off = self._ssd.bounce.alloc(n)
+        tiers = self._tiers
+        assert tiers.ssd is not None
+        off = tiers.ssd.bounce.alloc(n)
         while off is None and self._writes:
             if not self._writes[0].io.done():
-                self._copier.count_wait("bounce full")
+                tiers.copier.count_wait("bounce full")
             self._finish_write(self._writes[0], wait=True)
-            off = self._ssd.bounce.alloc(n)
+            off = tiers.ssd.bounce.alloc(n)
         if off is None:
             self._wait_for_transfers("bounce full")
-            off = self._ssd.bounce.alloc(n)
+            off = tiers.ssd.bounce.alloc(n)
         if off is None:
             raise OffloadError(
-                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(self._ssd.bounce.capacity)}); "
+                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(tiers.ssd.bounce.capacity)}); "
                 "pass a larger ssd_bytes"
             )
         return off
 
     def _prefetch(self, e: _Entry) -> bool:
         """Start bringing ``e`` back; an SSD read proceeds in the background."""
+        tiers = self._tiers
         if e.state != AWAY:
             return False
         if e.tier == "ssd" and e.bounce < 0:
-            assert self._ssd is not None
+            assert tiers.ssd is not None
             boff = self._bounce_alloc(e.nbytes)
             e.bounce = boff
-            e.io = self._ssd.submit(False, boff, e.slot, e.nbytes)
+            e.io = tiers.ssd.submit(False, boff, e.slot, e.nbytes)
             e.state = INCOMING
             return True
         self._fetch(e)
@@ -350,11 +351,12 @@ class Moves:
             # running here is a prefetch that lands late, a stall the GPU sees
             if self._in_iter and self._planned and not self._stale and not Copier.done(e.arrival):
                 self._depart("late prefetch: its copy in had not landed at its use (the GPU waits)")
-            self._copier.wait(e.arrival)
+            self._tiers.copier.wait(e.arrival)
             e.arrival = None
 
     def _fetch(self, e: _Entry) -> None:
         """Bring ``e`` back to the device now (an SSD read in flight is waited for)."""
+        tiers = self._tiers
         st = e.ref()
         n = e.nbytes
         if st is None:
@@ -362,56 +364,56 @@ class Moves:
         if st.nbytes() != 0:  # its owner grew it again while it was away: the bytes are theirs now
             self._drop_away(e, st)
             return
-        if e.tier == "host" and self._memmove:
+        if e.tier == "host" and tiers.memmove:
             st.resize_(n)
-            ctypes.memmove(st.data_ptr(), self._host.address(e.slot), n)
-            self._host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
+            ctypes.memmove(st.data_ptr(), tiers.host.address(e.slot), n)
+            tiers.host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
             ev = None
         elif e.tier == "host":
             st.resize_(n)
             dst = _u8(st, n)
             # (the copy in follows the copy out: two streams, see streams.py)
-            ev = self._copier.copy(dst, self._host.view(e.slot, n), dst, after=e.departure)
+            ev = tiers.copier.copy(dst, tiers.host.view(e.slot, n), dst, after=e.departure)
             e.departure = None
-            self._frees.append((ev, self._host.arena, e.slot, n))
+            tiers.release_after(ev, tiers.host.arena, e.slot, n)
         elif e.tier == "home":  # a host step's buffer (runtime/host_step.py): its update first
             self._host_wait(e)
             st.resize_(n)
             dst = _u8(st, n)
-            ev = self._copier.copy(dst, e.home, dst)
+            ev = tiers.copier.copy(dst, e.home, dst)
             self._host_read(e, ev)
             e.synced = True
         else:
-            assert self._ssd is not None
+            assert tiers.ssd is not None
             if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
                 if e.io is not None and not e.io.done():
-                    self._copier.count_wait("write in flight")
+                    tiers.copier.count_wait("write in flight")
                 self._finish_write(e, wait=True, keep_bounce=True)
             elif e.state == AWAY:
                 e.bounce = self._bounce_alloc(n)
-                e.io = self._ssd.submit(False, e.bounce, e.slot, n)
+                e.io = tiers.ssd.submit(False, e.bounce, e.slot, n)
             if e.io is not None:  # a read
                 if not e.io.done():
-                    self._copier.count_wait("ssd read")
+                    tiers.copier.count_wait("ssd read")
                 try:
                     e.io.result()
                 except OSError as err:
                     e.io = None
-                    self._ssd.bounce.release(e.bounce, n)
+                    tiers.ssd.bounce.release(e.bounce, n)
                     e.bounce, e.state = -1, AWAY
-                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {self._ssd.path} failed: "
+                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {tiers.ssd.path} failed: "
                                    f"{err.strerror or err}; it stays in the file") from None
                 e.io = None
             st.resize_(n)
             dst = _u8(st, n)
-            ev = self._copier.copy(dst, self._ssd.bounce_view(e.bounce, n), dst)
-            self._frees.append((ev, self._ssd.bounce, e.bounce, n))
-            self._ssd.arena.release(e.slot, n)
+            ev = tiers.copier.copy(dst, tiers.ssd.bounce_view(e.bounce, n), dst)
+            tiers.release_after(ev, tiers.ssd.bounce, e.bounce, n)
+            tiers.ssd.arena.release(e.slot, n)
             e.bounce = -1
         e.arrival = ev
         e.state, e.slot = RESIDENT, -1
         tier, e.tier = e.tier, None
-        self._device_bytes += n
+        self._ledger.add(n)
         tier = "host" if tier == "home" else tier
         self._count(f"{tier}->device", tier or "host", n)
         if e.kind in OWNED:
@@ -423,13 +425,14 @@ class Moves:
         self._give_back_slots(e)
         e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
         e.nbytes = int(st.nbytes())
-        self._device_bytes += e.nbytes
+        self._ledger.add(e.nbytes)
         self._make_foreign(e)
 
     def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
         """Retire an SSD write: release its bounce slot, or on failure put the tensor back
         on the device from the bounce copy and raise :class:`SSDError`."""
-        assert self._ssd is not None
+        tiers = self._tiers
+        assert tiers.ssd is not None
         if e.io is None or (not wait and not e.io.done()):
             return
         try:
@@ -442,23 +445,23 @@ class Moves:
         e.io = None
         if err is None:
             if not keep_bounce:
-                self._ssd.bounce.release(e.bounce, e.nbytes)
+                tiers.ssd.bounce.release(e.bounce, e.nbytes)
                 e.bounce = -1
             return
         # the write failed: nothing is lost, the bytes are still in the bounce slot
         n = e.nbytes
-        self._ssd.arena.release(e.slot, n)
+        tiers.ssd.arena.release(e.slot, n)
         st = e.ref()
         if st is not None:
             st.resize_(n)
-            _u8(st, n).copy_(self._ssd.bounce_view(e.bounce, n))
-            self._device_bytes += n
+            _u8(st, n).copy_(tiers.ssd.bounce_view(e.bounce, n))
+            self._ledger.add(n)
             if e.kind in OWNED:
                 self._lru[e.cdata] = e
-        self._ssd.bounce.release(e.bounce, n)
+        tiers.ssd.bounce.release(e.bounce, n)
         e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
         raise SSDError(
-            f"SSD write of {e.label} ({fmt_bytes(n)}) to {self._ssd.path} failed: {err.strerror or err}; "
+            f"SSD write of {e.label} ({fmt_bytes(n)}) to {tiers.ssd.path} failed: {err.strerror or err}; "
             "it was restored to the device, model and optimizer state are intact"
         )
 
@@ -480,12 +483,10 @@ class Moves:
         writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
         self._retire_dead()
         if self._inflight:
-            self._inflight = [r for r in self._inflight if not self._release(r)]
-        while self._frees and (wait or Copier.done(self._frees[0][0])):
-            ev, arena, off, n = self._frees.popleft()
-            Copier.synchronize(ev)
-            arena.release(off, n)
-        if self._leaving:
+            self._collectives.reap()
+        if self._frees:
+            self._tiers.reap_frees(wait)
+        if self._ledger.leaving:
             self._retire_leaving(every=wait)
         for e in list(self._writes):
             self._finish_write(e, wait=wait)
@@ -501,16 +502,17 @@ class Moves:
         """Block until every copy and SSD write in flight has finished (a buffer is full
         and they hold it), counting the wait if there was one."""
         if self._frees or self._writes:
-            self._copier.count_wait(reason)
+            self._tiers.copier.count_wait(reason)
         self._reap(wait=True)
 
     def _give_back_slots(self, e: _Entry) -> None:
         """Give back what an away storage holds outside the device: its SSD write is
         waited for first (its bytes are being dropped, so an error no longer matters),
         then its bounce slot and its host or SSD slot."""
+        tiers = self._tiers
         if e.io is not None:
             if not e.io.done():
-                self._copier.count_wait("write retired")
+                tiers.copier.count_wait("write retired")
             try:
                 e.io.result()
             except OSError:
@@ -518,11 +520,11 @@ class Moves:
             if e in self._writes:
                 self._writes.remove(e)
             e.io = None
-        if e.bounce >= 0 and self._ssd is not None:
-            self._ssd.bounce.release(e.bounce, e.nbytes)
+        if e.bounce >= 0 and tiers.ssd is not None:
+            tiers.ssd.bounce.release(e.bounce, e.nbytes)
         if e.tier == "host":
-            self._host.arena.release(e.slot, e.nbytes)
+            tiers.host.arena.release(e.slot, e.nbytes)
         elif e.tier == "home":  # (a host step's own buffer: nothing to give back)
             pass
-        elif self._ssd is not None:
-            self._ssd.arena.release(e.slot, e.nbytes)
+        elif tiers.ssd is not None:
+            tiers.ssd.arena.release(e.slot, e.nbytes)

@@ -45,69 +45,92 @@ _STATE_KINDS = frozenset({"parameter", "optimizer_state", "gradient", "input"})
 
 
 class OpFacts:
-    """Scopes and flags of the profiled iteration's ops (a mixin of
-    :class:`~tierflow.runtime.executor.Run`)."""
+    """Scopes, flags and ticks of the profiled iteration's ops: a component that
+    :class:`~tierflow.runtime.executor.Run` holds (``_opfacts``) and the only writer of
+    its state.
 
-    _scopes: ScopeTracker | None = None
+    Example:
+        >>> f = OpFacts()
+        >>> f.scope() is None, f.ops_facts([("add", "forward", 0.0, [0], [1])], ["temporary"] * 2)
+        (True, [(None, False, False)])
+    """
 
-    def _facts_begin(self) -> None:
+    def __init__(self) -> None:
+        self._scopes: ScopeTracker | None = None
+        self._tick_log: TickLog | None = None
+        # by recorded op: (scope, draws random numbers, has side effects, trace ids it wrote)
+        self._facts: dict[int, tuple[str | None, bool, bool, tuple[int, ...]]] = {}
+        self.ticks: list[tuple[int, str, str]] = []  # the last profiled iteration's (segments.TickLog)
+
+    def begin_scopes(self, model: Any) -> None:
         """A profiled iteration begins (in the model's forward pre-hook): track scopes
         from here."""
-        self._facts: dict[int, tuple[str | None, bool, bool, tuple[int, ...]]] = {}  # by op
-        self._facts_end()
-        tracker = ScopeTracker(self.model)
+        self._facts = {}
+        self.end_scopes()
+        tracker = ScopeTracker(model)
         tracker.__enter__()
         self._scopes = tracker
-        tracker.push(self.model)  # (its global pre-hook was not called for this forward)
+        tracker.push(model)  # (its global pre-hook was not called for this forward)
 
-    _tick_log: TickLog | None = None
-
-    def _ticks_begin(self) -> None:
-        """A profiled iteration begins: log its ticks (runtime/segments.py) until it ends."""
-        self._ticks_end()
-        self._ticks_seen: list[tuple[int, str, str]] = []
-        if not self._recording:
-            return
-        paths: dict[int, str] = {}
-        for name, mod in self.model.named_modules():
-            paths.setdefault(id(mod), name)
-        log = TickLog(lambda: len(self._rec), paths)
-        log.start()
-        self._tick_log = log
-
-    def _ticks_end(self) -> None:
-        """Stop logging ticks (idempotent); the ticks stay for the trace."""
-        log, self._tick_log = self._tick_log, None
-        if log is not None:
-            log.stop()
-            self._ticks_seen = log.ticks
-
-    def _tick(self, kind: str, ident: str) -> None:
-        """A saved-tensor or gradient hook fired (profiling only)."""
-        if self._tick_log is not None:
-            self._tick_log.note(kind, ident)
-
-    def _facts_end(self) -> None:
+    def end_scopes(self) -> None:
         """Remove the scope tracker's module hooks (idempotent)."""
         tracker, self._scopes = self._scopes, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
 
-    def _note_facts(self, scope: str | None, func: Any, args: tuple, kwargs: dict) -> None:
-        """Keep what op ``len(self._rec) - 1``, just recorded, needs for its flags
-        (called after the op ran: every tensor it wrote has an entry and an id)."""
+    def scope(self) -> str | None:
+        """The scope of the op being dispatched (None when no profiled iteration runs)."""
+        return self._scopes.scope() if self._scopes is not None else None
+
+    def begin_ticks(self, model: Any, recording: bool, recorded: Any) -> None:
+        """An iteration begins: a profiled one (``recording``) logs its ticks
+        (runtime/segments.py) until it ends; ``recorded()``: the ops recorded so far."""
+        self.end_ticks()
+        self.ticks = []
+        if not recording:
+            return
+        paths: dict[int, str] = {}
+        for name, mod in model.named_modules():
+            paths.setdefault(id(mod), name)
+        log = TickLog(recorded, paths)
+        log.start()
+        self._tick_log = log
+
+    def end_ticks(self) -> None:
+        """Stop logging ticks (idempotent); the ticks stay for the trace."""
+        log, self._tick_log = self._tick_log, None
+        if log is not None:
+            log.stop()
+            self.ticks = log.ticks
+
+    @property
+    def logging_ticks(self) -> bool:
+        return self._tick_log is not None
+
+    def tick(self, kind: str, ident: str) -> None:
+        """A saved-tensor or gradient hook fired (noted while profiling only)."""
+        if self._tick_log is not None:
+            self._tick_log.note(kind, ident)
+
+    def note(self, op: int, scope: str | None, func: Any, args: tuple, kwargs: dict, written_tid: Any) -> None:
+        """Keep what recorded op ``op`` needs for its flags (called after the op ran:
+        every tensor it wrote has an entry and an id; ``written_tid(t)``: the trace id
+        of a tensor it wrote, None for one off the device or without a storage)."""
         side_effects = has_side_effects(func)
         written: list[int] = []
         for t in writes(func, args, kwargs):
-            e = self._entry(t)
-            tid = self._iter_tid.get(e.cdata) if e is not None else None
+            tid = written_tid(t)
             if tid is None:  # off the device, or no storage: state the trace cannot see
                 side_effects = True
             else:
                 written.append(tid)
-        self._facts[len(self._rec) - 1] = (scope, draws_random(func, args, kwargs), side_effects, tuple(written))
+        self._facts[op] = (scope, draws_random(func, args, kwargs), side_effects, tuple(written))
 
-    def _ops_facts(self, ops: list, kinds: list[str]) -> list[tuple[str | None, bool, bool]]:
+    def keep_only(self, keep: list[int]) -> None:
+        """Of the recorded ops, only those at ``keep`` stay (renumbered in that order)."""
+        self._facts = {new: self._facts[old] for new, old in enumerate(keep) if old in self._facts}
+
+    def ops_facts(self, ops: list, kinds: list[str]) -> list[tuple[str | None, bool, bool]]:
         """``(scope, rng, pure)`` of each recorded op; ``ops``: ``(name, phase, dur, ins,
         outs)`` as recorded, ``kinds``: each tensor's final kind."""
         made: set[int] = set()  # tensors first seen as an op's output: the iteration made them
@@ -116,7 +139,7 @@ class OpFacts:
             seen.update(ins)
             made.update(t for t in outs if t not in seen)
             seen.update(outs)
-        facts = getattr(self, "_facts", {})
+        facts = self._facts
         out = []
         for j in range(len(ops)):
             if j not in facts:  # (an op recorded without its facts: unknown, so not safe to re-run)
@@ -126,3 +149,6 @@ class OpFacts:
             state = any(kinds[t] in _STATE_KINDS or t not in made for t in written)
             out.append((scope, rng, not side_effects and not state))
         return out
+
+
+__all__ = ["OpFacts"]

@@ -26,6 +26,7 @@ from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
+from .retime import Retimed, Retimer
 from .storages import (
     LOOP_KINDS,
     METADATA_ONLY,
@@ -281,14 +282,14 @@ class Profiling:
             torch.cuda.synchronize(self.device)
             rec = [(n, ph, a.elapsed_time(b) / 1e3, i, o) for (n, ph, _d, i, o), (a, b) in zip(rec, self._op_events)]
         self._op_events, self._op_kernel_s = [], []
-        facts = self._ops_facts(rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
+        facts = self._opfacts.ops_facts(rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
         ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs), *f)
                for (name, phase, d, ins, outs), f in zip(rec, facts)]
         trace = Trace(ops, tensors, name=f"{type(self.model).__name__}@{self.device.type}",
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": timing,
                             **({"kernel_times": kernels.summary()} if kernels is not None else {}),
                             # (the ticks a hook-driven follower could act at: runtime/segments.py)
-                            **({"ticks": self._trace_ticks()} if getattr(self, "_ticks_seen", None) else {})})
+                            **({"ticks": self._trace_ticks()} if self._opfacts.ticks else {})})
         self._trace_sigs_next = list(self._sigs)
         return trace
 
@@ -297,7 +298,7 @@ class Profiling:
         from .segments import TickLog
 
         log = TickLog(lambda: 0, {})
-        log.ticks = self._ticks_seen
+        log.ticks = self._opfacts.ticks
         return log.for_trace(self._kept_ops)
 
     def _drop_hook_ops(self) -> Callable[[int], int]:
@@ -319,9 +320,7 @@ class Profiling:
             self._op_events = [self._op_events[j] for j in keep]
         if len(self._op_kernel_s) == len(keep) + len(drop):
             self._op_kernel_s = [self._op_kernel_s[j] for j in keep]
-        facts = getattr(self, "_facts", None)
-        if facts is not None:
-            self._facts = {new: facts[old] for new, old in enumerate(keep) if old in facts}
+        self._opfacts.keep_only(keep)
         # an op index of the recorded iteration -> the last kept op at or before it
         return lambda j: bisect.bisect_right(keep, j) - 1
 
@@ -380,7 +379,7 @@ class Profiling:
         tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
                  Tier("host", "host", float(host_cap))]
         links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
-        if self._ssd is not None:
+        if self._tiers.ssd is not None:
             # NVMe-class rates; the runtime's own transfers are what stats report
             tiers.append(Tier("ssd", "ssd", float(ssd_cap), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
             links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
@@ -510,6 +509,22 @@ class Profiling:
             return None, f"a segment needs {fmt_bytes(need)}, over the budget"
         return coarse, None
 
+    def _adopt_host_steps(self, trace: Trace, plan: Plan) -> None:
+        """Take up ``plan``'s host steps (runtime/host_step.py); where they cannot be
+        executed the plan is followed without them and ``stats.plan_error`` says why."""
+        why = self._host_adopt(trace, plan)
+        if why is not None:
+            self.stats.plan_error = why
+
+    def _adopt_retimed(self, r: Retimed) -> None:
+        """The plan's prediction made again from its first followed iterations (see
+        runtime/retime.py): the trace, machine model and figures the run reports from
+        now on. The plan is not changed."""
+        self.stats.predicted_step_time_s = r.prediction.time_s
+        self.stats.ideal_step_time_s = r.trace.ideal_s
+        self.stats.outside_handler_s = r.outside_s
+        self.trace, self.hardware, self.prediction = r.trace, r.hardware, r.prediction
+
     def _make_plan(self, trace: Trace) -> bool:
         """Plan from ``trace``; False if the trace cannot be planned from yet (the
         budget, only now known, splits the optimizer step into chunks the profiled
@@ -621,9 +636,13 @@ class Profiling:
         self.stats.plan_digest = plan_digest(plan)
         self.stats.replans += 1
         self.trace, self.plan, self.hardware = trace, plan, hw
-        self._retime_arm()  # (CPU mode: the prediction again from the first followed iterations)
-        if self._hook is not None:  # (its op-by-op timing has no ops to time: see retime)
-            self._retimes_left = 0
+        # CPU mode: the prediction again from the first followed iterations (runtime/retime.py),
+        # where this run's machine model is its own; not where the plan is followed at ticks
+        # (its op-by-op timing has no ops to time)
+        due = (not self._cuda and self._hardware_arg is None and not plan.reactive
+               and self.stats.predicted_step_time_s is not None and self._hook is None)
+        self._retimer = Retimer(trace, hw, plan, due)
+        self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
         self._layout = self._plan_layout(trace, plan, hw)
         self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
@@ -660,7 +679,7 @@ class Profiling:
         self._born = born
         if self._chunker is not None:
             self.stats.optimizer_chunks = self._chunker.chunks
-        self._host_adopt(trace, plan)  # the plan's host steps, if any (runtime/host_step.py)
+        self._adopt_host_steps(trace, plan)  # the plan's host steps, if any (runtime/host_step.py)
         # ops the lean path only runs: metadata over a storage, nothing planned there
         # (after the host steps: the moves after an op the host runs move to the op before)
         self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None

@@ -214,11 +214,11 @@ class Recomputing:
                 self.stats.skipped_drops += 1
                 continue
             if e.arrival is not None:
-                self._copier.wait(e.arrival)
+                self._tiers.copier.wait(e.arrival)
                 e.arrival = None
             st.resize_(0)
             e.state = DROPPED
-            self._device_bytes -= e.nbytes
+            self._ledger.remove(e.nbytes)
             self._lru.pop(e.cdata, None)
             self._dropped_in[e.cdata] = c
             chain.dropped.append((e, chain.source[tid]))
@@ -293,7 +293,7 @@ class Recomputing:
                         w.copy_(old)
                     del saved, args, kwargs
                     temp = self._replay_temps(results + [leaves])
-                    self._iter_peak = max(self._iter_peak, self._device_bytes + sum(temp.values()))
+                    self._ledger.note_peak(sum(temp.values()))
                     for k, x in enumerate(leaves):
                         e = targets.get((step, k))
                         if e is not None:
@@ -350,7 +350,7 @@ class Recomputing:
             st.resize_(e.nbytes)
             _u8(st, e.nbytes).copy_(_u8(src, e.nbytes))
         e.state = RESIDENT
-        self._device_bytes += e.nbytes
+        self._ledger.add(e.nbytes)
         self._dropped_in.pop(e.cdata, None)
         if e.key is not None:
             self._lru[e.cdata] = e

@@ -1,6 +1,6 @@
 """CPU mode: the plan's step time predicted again from its first followed iterations'
-op times and the model's own cost per op outside the runtime (a mixin of
-:class:`~tierflow.runtime.executor.Run`).
+op times and the model's own cost per op outside the runtime (:class:`Retimer`, one per
+plan, held by :class:`~tierflow.runtime.executor.Run` as ``_retimer``).
 
 Why. The profiled iteration is a poor clock for a CPU-mode step, in two ways that pull
 against each other, and neither depends on the plan:
@@ -50,107 +50,143 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from ..errors import TierflowError
+from ..hardware import Hardware
 from ..trace import Trace
 
 #: followed iterations timed after each plan; the prediction uses their medians
 RETIMED = 3
 
 
-class Retiming:
-    """Times the first followed iterations of a plan (see the module docstring)."""
+@dataclass(frozen=True)
+class Retimed:
+    """The plan's prediction made again from its timed iterations.
 
-    _retimes_left: int = 0  # followed iterations still to time for the current plan
-    _timing: bool = False  # this iteration times its ops (the lean path reads it)
+    Attributes:
+        trace: the plan's trace with each op's median time over the timed iterations.
+        hardware: the machine model with ``op_issue_s`` (and ``recompute_issue_s``) as measured.
+        prediction: the simulator's result for the plan on them (a ``SimResult``).
+        outside_s: the median time per iteration outside the runtime's handler.
+    """
 
-    def _retime_arm(self) -> None:
-        """A plan was just made: time its first followed iterations, if this run's
-        machine model is its own and on the CPU."""
-        due = (not self._cuda and self._hardware_arg is None and not self.plan.reactive
-               and self.stats.predicted_step_time_s is not None)
-        self._retimes_left = RETIMED if due else 0
-        # (self.trace and self.hardware stay the plan's until the samples replace them)
-        self._op_samples: list[list[float]] = [[] for _ in range(self.trace.n_ops)]
-        self._outside_samples: list[float] = []
-        self._replay_samples: list[float] = []
-        self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
+    trace: Trace
+    hardware: Hardware
+    prediction: Any
+    outside_s: float
 
-    def _retime_begin(self) -> None:
-        """A planned iteration begins: time it if its plan's prediction is due."""
-        self._timing = self._retimes_left > 0 and self._planned
-        if self._timing:
-            self._op_s: list[float | None] = [None] * self._n_ops
-            self._handler_s = 0.0
-            self._replay_from = (self.stats.recompute_s, self.stats.recomputed_ops)
-            self._record_s = 0.0
 
-    def _timed_follow_op(self, func, args, kwargs):
-        """``_follow_op`` with the time spent inside it counted (the handler's share)."""
-        t0 = time.perf_counter()
-        try:
-            return self._follow_op(func, args, kwargs)
-        finally:
-            self._handler_s += time.perf_counter() - t0
+class Retimer:
+    """Times the first followed iterations of one plan (see the module docstring) and
+    owns their samples; the run makes a new one with each plan, and a cached plan keeps
+    its own (runtime/signatures.py).
 
-    def _replay_cost(self) -> float | None:
-        """Seconds per replayed op beyond the op itself in the iteration just timed: its
-        chains' replays, less their ops' times as the forward ran them, and their
-        recording and drops in forward (each recorded op is replayed once); None
-        without a replay."""
-        t0, n0 = self._replay_from
-        n = self.stats.recomputed_ops - n0
-        if n <= 0:
-            return None
-        durations = self.trace.ops
-        own = sum(self._op_s[o] if self._op_s[o] is not None else durations[o].duration_s
-                  for r in self.plan.recomputes for o in r.ops)
-        return max(0.0, (self.stats.recompute_s - t0 - own + self._record_s) / n)
+    Args:
+        trace, hardware, plan: the plan as made, and what it was made from.
+        due: whether to time it at all (CPU mode, the runtime's own machine model, a
+            planned plan with a prediction, followed op by op).
 
-    def _timed_call(self, i: int, func, args, kwargs):
+    Example:
+        >>> Retimer.idle().begin(planned=True, n_ops=10, replay_from=(0.0, 0))
+        False
+    """
+
+    def __init__(self, trace: Trace | None, hardware: Hardware | None, plan: Any, due: bool) -> None:
+        self.left = RETIMED if due else 0  # followed iterations still to time
+        self.trace, self.hardware, self.plan = trace, hardware, plan
+        n = trace.n_ops if trace is not None and due else 0
+        self.op_samples: list[list[float]] = [[] for _ in range(n)]
+        self.outside_samples: list[float] = []
+        self.replay_samples: list[float] = []
+        # the iteration being timed
+        self._op_s: list[float | None] = []
+        self._handler_s = 0.0
+        self._record_s = 0.0
+        self._replay_from: tuple[float, int] = (0.0, 0)
+
+    @classmethod
+    def idle(cls) -> Retimer:
+        """One that times nothing (no plan yet)."""
+        return cls(None, None, None, due=False)
+
+    def begin(self, planned: bool, n_ops: int, replay_from: tuple[float, int]) -> bool:
+        """A followed iteration of ``n_ops`` ops (the follower's tables') begins: whether
+        it is timed. ``replay_from``: the run's ``(recompute_s, recomputed_ops)`` so far."""
+        if not (self.left > 0 and planned):
+            return False
+        self._op_s = [None] * n_ops
+        self._handler_s = 0.0
+        self._record_s = 0.0
+        self._replay_from = replay_from
+        return True
+
+    def call(self, i: int, func, args, kwargs):
         """Run op ``i`` of a timed iteration, keeping its time."""
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         self._op_s[i] = time.perf_counter() - t0
         return out
 
-    def _retime_end(self, wall_s: float) -> None:
-        """The timed iteration ended after ``wall_s`` seconds (up to its last op): its
-        times join the samples, and the prediction is made again from their medians,
-        if it followed its plan to the end."""
-        self._timing = False
-        costs = getattr(self, "_host_costs", None)  # (measured at the plan: see _hardware_for)
-        if self._stale or self._op != self.trace.n_ops or costs is None:
-            return
-        self._retimes_left -= 1
-        for samples, d in zip(self._op_samples, self._op_s):
+    def add_handler_s(self, dt: float) -> None:
+        """``dt`` seconds of the runtime's own work (its handler, its hooks)."""
+        self._handler_s += dt
+
+    def add_record_s(self, dt: float) -> None:
+        """``dt`` seconds recording and dropping recompute chains in forward."""
+        self._record_s += dt
+
+    def _replay_cost(self, replay_now: tuple[float, int]) -> float | None:
+        """Seconds per replayed op beyond the op itself in the iteration just timed: its
+        chains' replays, less their ops' times as the forward ran them, and their
+        recording and drops in forward (each recorded op is replayed once); None
+        without a replay."""
+        t0, n0 = self._replay_from
+        n = replay_now[1] - n0
+        if n <= 0:
+            return None
+        durations = self.trace.ops
+        own = sum(self._op_s[o] if self._op_s[o] is not None else durations[o].duration_s
+                  for r in self.plan.recomputes for o in r.ops)
+        return max(0.0, (replay_now[0] - t0 - own + self._record_s) / n)
+
+    def end(self, wall_s: float, followed: bool, costs: Any, replay_now: tuple[float, int]) -> Retimed | None:
+        """The timed iteration ended after ``wall_s`` seconds (up to its last op): if it
+        ``followed`` its plan to the end, its times join the samples; after the last,
+        the prediction made again from their medians (None before, or where the
+        simulator cannot score it). ``costs``: the run's ``HostCosts`` measured at the
+        plan (None: nothing to add to)."""
+        if not followed or costs is None:
+            return None
+        self.left -= 1
+        for samples, d in zip(self.op_samples, self._op_s):
             if d is not None:
                 samples.append(d)
-        self._outside_samples.append(max(0.0, wall_s - self._handler_s))
-        replay = self._replay_cost()
+        self.outside_samples.append(max(0.0, wall_s - self._handler_s))
+        replay = self._replay_cost(replay_now)
         if replay is not None:
-            self._replay_samples.append(replay)
-        if self._retimes_left:
-            return  # NOTE: one simulation, after the last: it costs the step it ends (gpt-tiny: 20 ms)
+            self.replay_samples.append(replay)
+        if self.left:
+            return None  # NOTE: one simulation, after the last: it costs the step it ends (gpt-tiny: 20 ms)
         trace, hw = self.trace, self.hardware
         ops = tuple(replace(o, duration_s=statistics.median(d)) if d else o
-                    for o, d in zip(trace.ops, self._op_samples))
-        outside_s = statistics.median(self._outside_samples)
+                    for o, d in zip(trace.ops, self.op_samples))
+        outside_s = statistics.median(self.outside_samples)
         retimed = Trace(ops, trace.tensors, name=trace.name,
                         meta=dict(trace.meta, timing=f"op times of the first {RETIMED} followed iterations (median)"))
         hw2 = replace(hw, op_issue_s=outside_s / max(1, trace.n_ops) + costs.lean_op_s)
-        if self._replay_samples:
-            hw2 = replace(hw2, recompute_issue_s=statistics.median(self._replay_samples))
+        if self.replay_samples:
+            hw2 = replace(hw2, recompute_issue_s=statistics.median(self.replay_samples))
         from ..simulate import simulate
 
         try:
             sim = simulate(retimed, hw2, self.plan, check_plan=False)
         except TierflowError:
-            return
+            return None
         if not math.isfinite(sim.time_s):
-            return
-        self.stats.predicted_step_time_s = sim.time_s
-        self.stats.ideal_step_time_s = retimed.ideal_s
-        self.stats.outside_handler_s = outside_s
-        self.trace, self.hardware, self.prediction = retimed, hw2, sim
+            return None
+        return Retimed(retimed, hw2, sim, outside_s)
+
+
+__all__ = ["RETIMED", "Retimed", "Retimer"]

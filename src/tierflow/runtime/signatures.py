@@ -46,8 +46,7 @@ PLAN_STATE = (
     "_n_ops", "_n_tensors", "_funcs", "_fast_funcs", "_out_sizes", "_flat_args", "_write_spots",
     "_bind_in", "_bind_out", "_views_only", "_op_labels", "_actions", "_has_moves", "_next_op",
     "_key_tid", "_born", "_trivial", "_optab", "_chains", "_chain_ops", "_drops", "_remakes",
-    "_levers_at", "_held_baseline", "_held_reserve", "_retimes_left", "_op_samples",
-    "_outside_samples", "_replay_samples",
+    "_levers_at", "_held_baseline", "_held_reserve", "_retimer",
 )
 #: ... and the figures the run reports about the plan it follows.
 PLAN_STATS = ("predicted_step_time_s", "predicted_step_time_s_at_plan", "ideal_step_time_s", "policy",

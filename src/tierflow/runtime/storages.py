@@ -310,7 +310,7 @@ class StorageTracking:
                    resizable=st.resizable(), counted=counted)
         self._entries[cdata] = e
         if counted:
-            self._device_bytes += n
+            self._ledger.add(n)
         return e
 
     def _make_counted(self, e: _Entry) -> None:
@@ -319,7 +319,7 @@ class StorageTracking:
         if not e.counted:
             e.counted = True
             if e.state is RESIDENT:
-                self._device_bytes += e.nbytes
+                self._ledger.add(e.nbytes)
 
     def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
         if e is None or (e.key is not None and _RANK[kind] >= _RANK[e.kind]):
@@ -348,7 +348,7 @@ class StorageTracking:
                     self._hook.grad(name, p.grad)
                 return
             if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
-                self._tick("grad", name)
+                self._opfacts.tick("grad", name)
                 q, self._quiet = self._quiet, True
                 try:
                     self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
@@ -369,7 +369,7 @@ class StorageTracking:
         elif self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
             seq = self._saved_seq
             self._saved_seq = seq + 1
-            self._tick("pack", str(seq))
+            self._opfacts.tick("pack", str(seq))
             # (autograd saves before the op reaches the mode: a storage new here is an
             # input made before the block, the target a loss saves, say)
             e = self._entry(t, "saved", counted=False)
@@ -397,8 +397,8 @@ class StorageTracking:
         if self._recording:  # autograd may detach what we return: that op is ours, not the model's
             self._unpacked = _storage_id(p)
         e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
-        if self._tick_log is not None:
-            self._tick("unpack", (e.key or "") if e is not None else "")
+        if self._opfacts.logging_ticks:
+            self._opfacts.tick("unpack", (e.key or "") if e is not None else "")
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
             q, self._quiet = self._quiet, True
             try:
@@ -453,7 +453,7 @@ class StorageTracking:
             del self._foreign[c]
         if e.state is RESIDENT:
             if e.counted:
-                self._device_bytes -= e.nbytes
+                self._ledger.remove(e.nbytes)
         elif e.state == "dropped":  # (for recompute: no bytes anywhere)
             self._dropped_in.pop(c, None)
         else:  # died while away: give its slots back
@@ -467,41 +467,10 @@ class StorageTracking:
         ours to move."""
         if kind == 1:
             self.stats.collectives += 1
-            ents = list({e.cdata: e for e in ins + outs}.values())
-            for e in ents:
-                e.pins += 1
-                e.touched = False
-            works = _works(out)
-            if works:
-                self._inflight.append((works, ents, wrote))
+            self._collectives.pin(_works(out), list({e.cdata: e for e in ins + outs}.values()), wrote)
         else:
             for e in wrote:
                 self._make_foreign(e)
-
-    def _unpin(self, e: _Entry) -> bool:
-        """Try to free ``e`` of the collectives that pinned it: those that completed
-        have; if the program used ``e`` since (a program waits on a collective before
-        it uses the result), wait on them too: that returns at once. Whether ``e`` is
-        free now."""
-        self._inflight = [r for r in self._inflight
-                          if not self._release(r, force=e.touched and any(x is e for x in r[1]))]
-        return e.pins == 0
-
-    def _release(self, rec: tuple[list[Any], list[_Entry], list[_Entry]], force: bool = False) -> bool:
-        """Unpin what an in-flight collective pinned, if it is over: its ``Work`` says
-        it completed, or the program used a storage the collective writes (a program
-        waits on a collective before it uses the result; gloo's reduce-scatter never
-        says it completed), or ``force``: then wait on it (at once when it is done).
-        Whether it was released."""
-        works, ents, wrote = rec
-        if not all(w.is_completed() for w in works):
-            if not (force or any(x.touched for x in wrote)):
-                return False
-            for w in works:
-                w.wait()
-        for x in ents:
-            x.pins -= 1
-        return True
 
     def _make_foreign(self, e: _Entry) -> None:
         """``e`` is resized by someone else (FSDP frees and re-allocates its unsharded
@@ -523,15 +492,16 @@ class StorageTracking:
                 continue
             n = st.nbytes()
             if n != e.nbytes and e.state == RESIDENT:
-                self._device_bytes += n - e.nbytes
+                self._ledger.add(n - e.nbytes)
                 e.top = max(e.top, e.nbytes, n)
                 e.nbytes = n
 
     def _note_peak(self) -> None:
-        if self._device_bytes > self._iter_peak:
+        ledger = self._ledger
+        if ledger.used > ledger.peak:
             if self._foreign:  # (FSDP may have freed some since: count them as they are)
                 self._sync_foreign()
-            self._iter_peak = max(self._iter_peak, self._device_bytes)
+            ledger.note_peak()
 
     def _state_tensors(self) -> list[torch.Tensor]:
         out = list(self.model.parameters()) + list(self.model.buffers())

@@ -1,0 +1,164 @@
+"""The eager runtime's components on their own: the device ledger, the tiers, the
+collectives in flight, the op facts.
+
+Each owns its state (docs/runtime.md, "Front-ends and back-ends"); these tests drive them
+without a model, so a wrong count shows here before it shows as a budget overshoot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierflow.runtime.collectives import InFlight
+from tierflow.runtime.ledger import DeviceLedger
+from tierflow.runtime.opfacts import OpFacts
+from tierflow.runtime.storages import _Entry
+from tierflow.runtime.tier_set import Tiers
+from tierflow.runtime.tiers import HostPool
+
+MiB = 1 << 20
+
+
+class _Event:
+    """A copy's event (CUDA's ``torch.cuda.Event``) that completes when told to."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.synchronized = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized = self.done = True
+
+
+def test_ledger_counts_bytes_leaving_until_their_copy_completes():
+    led = DeviceLedger()
+    led.add(300)
+    first, second = _Event(), _Event()
+    led.leave(first, 100)
+    led.leave(second, 50)
+    assert (led.used, led.leaving_bytes) == (300, 150)
+    first.done = True
+    led.retire_leaving()  # (only what completed: the second still runs)
+    assert (led.used, led.leaving_bytes, len(led.leaving)) == (200, 50, 1)
+    assert not second.synchronized
+
+
+def test_ledger_waits_for_copies_out_only_until_the_room_fits():
+    led = DeviceLedger()
+    led.add(300)
+    events = [_Event() for _ in range(3)]
+    for ev in events:
+        led.leave(ev, 100)
+    waits = []
+    led.retire_leaving(need=50, budget=250, on_wait=lambda: waits.append(1))
+    # 300 + 50 > 250: one wait (300 - 100 + 50 fits); the other two copies still run
+    assert led.used == 200 and len(waits) == 1
+    assert [ev.synchronized for ev in events] == [True, False, False]
+
+
+def test_ledger_leave_without_an_event_frees_at_once_and_the_peak_holds():
+    led = DeviceLedger()
+    led.add(100)
+    led.note_peak(extra=40)  # (a replay's temporaries beside what is resident)
+    led.leave(None, 60)
+    assert (led.used, led.peak, led.leaving_bytes) == (40, 140, 0)
+    with led.peak_kept():
+        led.add(500)
+        led.note_peak()
+    assert led.peak == 140
+    led.start_peak()
+    assert led.peak == 540
+    led.clear_peak()
+    assert led.peak == 0
+
+
+def test_tiers_release_a_slot_only_after_its_copy_has_read_it():
+    tiers = Tiers(torch.device("cpu"), HostPool(4 * MiB, pin=False), None)
+    try:
+        assert tiers.grow_host(4096)
+        off = tiers.host.arena.alloc(4096)
+        ev = _Event()
+        tiers.release_after(ev, tiers.host.arena, off, 4096)
+        tiers.reap_frees()
+        assert tiers.usage()["host"] == 4096  # (the copy still reads it)
+        ev.done = True
+        tiers.reap_frees()
+        assert tiers.usage()["host"] == 0 and not tiers.frees
+    finally:
+        tiers.close()
+
+
+def test_tiers_sizes_follow_the_pool_as_it_grows():
+    tiers = Tiers(torch.device("cpu"), HostPool(8 * MiB, pin=False), None)
+    try:
+        assert tiers.sizes().host_pool_bytes == 0
+        assert tiers.grow_host(MiB)
+        s = tiers.sizes()
+        assert s.host_pool_bytes >= MiB and s.pinned_bytes == 0 and s.ssd_file_bytes == s.ssd_bounce_bytes == 0
+    finally:
+        tiers.close()
+
+
+def test_tiers_agree_limits_takes_the_smallest_rank_s():
+    tiers = Tiers(torch.device("cpu"), HostPool(8 * MiB, pin=False), None)
+    try:
+        assert tiers.agree_limits(None) == (8 * MiB, 0)
+        assert tiers.agree_limits(lambda x: min(x, 2 * MiB)) == (2 * MiB, 0)
+        assert tiers.host.limit == 2 * MiB
+    finally:
+        tiers.close()
+
+
+def test_op_facts_keep_only_renumbers_the_kept_ops():
+    facts = OpFacts()
+    a = torch.ones(2)
+    facts.note(0, "m.0", torch.ops.aten.add.Tensor, (a, a), {}, lambda t: 0)
+    facts.note(1, "m.1", torch.ops.aten.add_.Tensor, (a, a), {}, lambda t: 0)  # writes tensor 0
+    facts.note(2, "m.2", torch.ops.aten.mul.Tensor, (a, a), {}, lambda t: 0)
+    facts.keep_only([0, 2])
+    ops = [("add", "forward", 0.0, [0], [1]), ("mul", "forward", 0.0, [1], [2])]
+    assert facts.ops_facts(ops, ["input", "temporary", "temporary"]) == [("m.0", False, True), ("m.2", False, True)]
+
+
+class _Work:
+    """A collective's ``Work`` that completes when told to."""
+
+    def __init__(self) -> None:
+        self.completed = False
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self) -> None:
+        self.waited = self.completed = True
+
+
+def _entries(n: int) -> list[_Entry]:
+    return [_Entry(k, 64, lambda: None, name=f"t{k}") for k in range(n)]
+
+
+def test_in_flight_unpins_when_the_collective_completes():
+    flight, (a, b) = InFlight(), _entries(2)
+    work = _Work()
+    flight.pin([work], [a, b], [b])
+    assert (a.pins, b.pins) == (1, 1)
+    flight.reap()
+    assert a.pins == 1 and len(flight.records) == 1
+    work.completed = True
+    flight.reap()
+    assert (a.pins, b.pins) == (0, 0) and not flight.records and not work.waited
+
+
+def test_in_flight_waits_for_a_collective_whose_result_was_used():
+    flight, (a, b) = InFlight(), _entries(2)
+    work = _Work()
+    records = flight.records
+    flight.pin([work], [a, b], [b])
+    assert not flight.unpin(a)  # (not used since: the collective may still be reading it)
+    a.touched = True
+    assert flight.unpin(a) and work.waited
+    assert flight.records is records and not records  # (changed in place: the executor holds the list)
