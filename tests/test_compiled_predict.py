@@ -16,6 +16,7 @@ import tierflow.compiled as tc
 from tierflow.compiled.graph_trace import BYTES_PER_S
 from tierflow.compiled.plan import GraphPlan, curve_with
 from tierflow.compiled.predict import graph_plan_as_plan, predict_graph, predict_step
+from tierflow.errors import PlanError
 from tierflow.plan import validate
 from tierflow.policies._rematerialize import recompute_chains
 
@@ -141,3 +142,11 @@ def test_a_step_of_two_graphs_adds_times_and_carries_kept_bytes():
     g0, g1 = step.graphs
     assert step.step_s == pytest.approx(g0.step_s + g1.step_s)
     assert step.peak_bytes == max(g0.peak_bytes, g0.kept_saved_bytes + g1.peak_bytes)
+
+
+def test_a_tensor_the_backward_never_reads_cannot_be_recomputed():
+    trace = records(None).records[0].facts.trace
+    bwd = {t for o in trace.ops if o.phase == "backward" for t in o.tensors}
+    fwd_only = next(t for o in trace.ops if o.phase == "forward" for t in o.outputs if t not in bwd)
+    with pytest.raises(PlanError, match="no backward use"):
+        recompute_chains(trace, {fwd_only})
