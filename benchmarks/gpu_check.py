@@ -438,16 +438,28 @@ def _part_k(args: argparse.Namespace) -> int:
     """Part K (issue 30): benchmarks/compiled.py on HF GPT-2 (124M's shape on CUDA, tiny
     on the CPU dry run): plain compiled, tierflow's compiled plan at 50%, torch's
     ``activation_memory_budget``, compiled ``gradient_checkpointing_enable()`` and
-    tierflow at its measured peak (``x_checkpointing``: step time over its)."""
+    tierflow at its measured peak (``x_checkpointing``: step time over its); then
+    benchmarks/compiled_peers.py on the same model into DIR/compiled_peers_k.json:
+    ``enable_activation_offloading`` with every node marked (on CUDA its copies reach
+    the host; on the CPU they are no-ops), ``activation_memory_budget`` 0.5, and the
+    simulator's prediction of tierflow's compiled arms against their measured step and
+    peak (on the H100 preset on CUDA)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import compiled
+    import compiled_peers
 
     cpu = args.device == "cpu"
     os.makedirs(args.out, exist_ok=True)
+    quick = ["--quick"] if cpu or args.quick else []
     argv = ["--models", "gpt2" if cpu else "gpt2-small", "--shares", "0.5", "--ambs", "0.5,0.2",
             "--checkpointing", "--no-eager", "--device", args.device, "--steps", "2" if cpu else "5",
             "--json", os.path.join(args.out, "compiled_k.json")]
-    return compiled.main(argv + (["--quick"] if cpu or args.quick else []))
+    code = compiled.main(argv + quick)
+    peers = ["--models", "gpt2" if cpu else "gpt2-small", "--shares", "0.5", "--ambs", "0.5",
+             "--device", args.device, "--steps", "2" if cpu else "5",
+             "--hardware", "cpu" if cpu else "h100-80g-pcie5-nvme", "--threads", "1" if cpu else "0",
+             "--json", os.path.join(args.out, "compiled_peers_k.json")]
+    return max(code, compiled_peers.main(peers + quick))
 
 
 def main(argv: list[str] | None = None) -> int:

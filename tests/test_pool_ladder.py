@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tierflow import pool
 from tierflow.pool import Buffer, Problem, generate
-from tierflow.pool.decide import FEASIBLE, INFEASIBLE, Variant, decide_cpsat
+from tierflow.pool.decide import FEASIBLE, INFEASIBLE, Variant, bottom_up_order, decide_cpsat
 from tierflow.pool.greedy import best_fit
 from tierflow.pool.ladder import ladder
 from tierflow.pool.reduce import reduce
@@ -99,6 +99,39 @@ def test_decision_matches_the_exhaustive_optimum(p, delta):
         assert pool.validate(p, red.expand(a.offsets)).valid
     if a.status == INFEASIBLE:
         assert cap * red.scale < opt
+
+
+@settings(max_examples=25, deadline=None)
+@given(small_problems(), st.integers(-1, 1), st.integers(0, 7))
+def test_bottom_up_decision_matches_the_exhaustive_optimum(p, delta, k):
+    red = reduce(p)
+    opt = brute_optimum(p)
+    if not len(red):
+        return
+    cap = max(1, opt // red.scale + delta)
+    a = decide_cpsat(red, cap, Variant("bu", hint=False, fixed=True, order=k), det_time=1.0, deadline=float("inf"))
+    if a.status == FEASIBLE:
+        assert red.peak(a.offsets) <= cap
+        assert pool.validate(p, red.expand(a.offsets)).valid
+    if a.status == INFEASIBLE:
+        assert cap * red.scale < opt
+
+
+@settings(max_examples=25, deadline=None)
+@given(small_problems(max_n=10), st.integers(0, 12))
+def test_bottom_up_orders_are_permutations(p, k):
+    red = reduce(p)
+    assert sorted(bottom_up_order(red, k).tolist()) == list(range(len(red)))
+
+
+def test_bottom_up_finds_the_perfect_packing_of_a_full_set():
+    p, _ = generate.strips(80, steps=160, height=64, seed=3)
+    red = reduce(p)
+    a = decide_cpsat(red, red.lower_bound, Variant("bu", hint=False, fixed=True, order=0), det_time=1.0,
+                     deadline=float("inf"))
+    assert a.status == FEASIBLE
+    report = pool.validate(p, red.expand(a.offsets))
+    assert report.valid and report.peak == p.lower_bound
 
 
 @pytest.mark.parametrize("make", [generate.guillotine, generate.strips])

@@ -106,6 +106,15 @@ def test_free_space_keeps_the_bound_and_the_witness(n, seed, fraction):
     assert report.valid and report.peak == q.lower_bound == p.lower_bound
 
 
+@pytest.mark.parametrize("make", [generate.guillotine, generate.strips])
+def test_generated_sets_do_not_list_buffers_in_the_witness_order(make):
+    # among buffers of one lifetime, larger first whatever their offsets in the witness
+    p, _ = make(120, steps=40, height=64, seed=2)
+    for a, b in zip(p.buffers, p.buffers[1:]):
+        if (a.lower, a.upper) == (b.lower, b.upper):
+            assert a.size >= b.size
+
+
 def test_generate_rejects_impossible_requests():
     with pytest.raises(PoolError, match="cannot be cut"):
         generate.guillotine(100, steps=2, height=3)

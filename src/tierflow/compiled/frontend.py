@@ -34,6 +34,7 @@ from ..runtime.stats import RunStats
 from .graph_trace import GraphFacts
 from .hook import PartitionRecord, PlanPartitioner, hook_support
 from .plan import GraphPlan, plan_graph
+from .predict import predict_graph
 
 BACKENDS = ("inductor", "aot_eager")
 SLOTS_PER_GRAPH = 1 << 20
@@ -99,6 +100,8 @@ class GraphReport:
             without and with the plan; target_bytes: what the plan aimed at.
         unreachable: the target could not be met by offloading saved tensors.
         calls: compiled forward calls of this graph.
+        predicted_step_s: the simulator's time of the graph's forward and backward with
+            the plan (:func:`tierflow.compiled.predict.predict_graph`, CPU figures).
     """
 
     index: int
@@ -113,6 +116,7 @@ class GraphReport:
     target_bytes: int | None = None
     unreachable: bool = False
     calls: int = 0
+    predicted_step_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -262,6 +266,7 @@ class CompiledOffload:
         report.predicted_peak_bytes_planned = plan.predicted_peak_bytes
         report.target_bytes = plan.target_bytes
         report.unreachable = plan.unreachable
+        report.predicted_step_s = predict_graph(facts, plan).step_s
         for name in rec.offloaded:
             slot, nbytes = rec.slots[name], sizes[name]
             self._pending.append(lambda slot=slot, nbytes=nbytes: self.backend.reserve(slot, nbytes))

@@ -44,6 +44,9 @@ _MODULES: dict[str, tuple[str, str]] = {
     "zero_offload": ("tierflow.policies.zero_offload", "DeepSpeed ZeRO-Offload: gradients and optimizer state on the host, update there"),
     "zero_offload+checkpoint": ("tierflow.policies.zero_offload", "ZeRO-Offload with activation checkpointing, as its users run it"),
     "zero_infinity": ("tierflow.policies.zero_infinity", "DeepSpeed ZeRO-Infinity: parameters and optimizer state offloaded, fetched ahead"),
+    # torch.compile's own memory knobs (issue 30)
+    "compile_memory_budget": ("tierflow.policies.compile_memory_budget", "torch.compile's activation_memory_budget: min-cut saved set, knapsack over banned ops"),
+    "compile_offloading": ("tierflow.policies.compile_offloading", "torch.compile's enable_activation_offloading: marked saved tensors to host after last forward use"),
 }
 _REGISTRY: dict[str, PolicyFn] = {}
 _OPTIONS: dict[str, tuple[PolicyOption, ...]] = {}

@@ -36,6 +36,9 @@ class Variant:
         fixed: search bottom-up: branch on the offset with the lowest possible value
             first and try that value (a constructive search like MiniMalloc's), with
             CP-SAT's restarts and propagation around it.
+        order: with ``fixed``, which variable order the bottom-up search follows on
+            ties of the lowest possible offset: -1 the problem's order, ``k >= 0`` the
+            ``k``-th of :func:`bottom_up_order`.
         params: extra CP-SAT parameters (name, value).
     """
 
@@ -44,7 +47,48 @@ class Variant:
     hint: bool = True
     seed: int = 0
     fixed: bool = False
+    order: int = -1
     params: tuple[tuple[str, object], ...] = ()
+
+
+def bottom_up_order(red: Reduced, k: int) -> np.ndarray:
+    """The ``k``-th variable order of the bottom-up search.
+
+    Among the buffers that could go lowest, a bottom-up search places the first in
+    this order, so the order decides which placements it meets first. The first four
+    are static: by start, largest first on ties (a sweep over time, like filling the
+    skyline from the left), longest-lived first then by area (buffers that live
+    longest meet the most others and are the hardest to fit late), largest area
+    first, longest-lived then largest. From ``k = 4`` on, one key of the start,
+    area or lifetime order (in turn) is scaled by seeded noise, a new order per
+    ``k``: the search is deterministic for an order, so a restart needs a new order,
+    not a new seed. Measured on the generated 450- and 600-buffer sets, with and
+    without free space: the fixed search by start placed three of four at the bound
+    in 0.3-1.2 s (the fourth at 1.02 x the bound) where CP-SAT's own search found
+    nothing in 10 s; other orders place others.
+
+    Example::
+
+        order = bottom_up_order(red, 3)   # a permutation of range(len(red))
+    """
+    n = len(red.size)
+    idx = np.arange(n)
+    life = red.upper - red.lower
+    area = life * red.size
+    if k == 0:
+        return np.lexsort((idx, -red.size, red.lower))
+    if k == 1:
+        return np.lexsort((idx, -red.size, -area, -life))
+    if k == 2:
+        return np.lexsort((idx, -life, -red.size, -area))
+    if k == 3:
+        return np.lexsort((idx, -red.size, -life))
+    rng = np.random.default_rng(k)
+    if k % 3 == 1:
+        return np.lexsort((idx, -(red.size * rng.uniform(0.5, 1.5, n)), red.lower))
+    if k % 3 == 2:
+        return np.lexsort((idx, -(area * rng.uniform(0.7, 1.3, n))))
+    return np.lexsort((idx, -(red.size * rng.uniform(0.7, 1.3, n)), -(life * rng.uniform(0.8, 1.2, n))))
 
 
 @dataclass
@@ -128,7 +172,8 @@ def decide_cpsat(red: Reduced, cap: int, variant: Variant, det_time: float, dead
             for a, b in zip(chain[:-1], chain[1:]):
                 m.add(vs[a] + int(red.size[a]) <= vs[b])
     if variant.fixed:
-        m.add_decision_strategy(vs, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
+        ordered = vs if variant.order < 0 else [vs[i] for i in bottom_up_order(red, variant.order).tolist()]
+        m.add_decision_strategy(ordered, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
     solver = cp_model.CpSolver()
     p = solver.parameters
     if variant.fixed:

@@ -126,6 +126,9 @@ def _check(n: int, steps: int, height: int) -> None:
 
 
 def _build(pieces: list[_Piece], unit: int, name: str) -> tuple[Problem, np.ndarray]:
-    pieces = sorted(pieces)
+    # listed by lifetime and size, not by the witness's offset: a solver that follows
+    # the input order must not be handed the answer's stacking (buffers equal in
+    # lifetime and size are interchangeable, so the offset among them tells nothing)
+    pieces = sorted(pieces, key=lambda p: (p[0], p[1], -p[3], p[2]))
     buffers = tuple(Buffer(str(i), lo, hi, size * unit) for i, (lo, hi, _, size) in enumerate(pieces))
     return Problem(buffers, name=name), np.array([off * unit for _, _, off, _ in pieces], dtype=np.int64)

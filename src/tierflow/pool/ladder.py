@@ -11,7 +11,9 @@ such decisions gives both placements and proofs (MiniMalloc's scheme):
 3. An attempt gets a share of the budget; the next round doubles the shares and starts
    again from the floor (an attempt left undecided may settle with more time).
 
-Each rung runs a *portfolio* of members in *lanes* (one lane a core): the skyline
+Each rung runs a *portfolio* of members in *lanes* (one lane a core): first CP-SAT's
+fixed bottom-up search under a new variable order each try (:func:`.decide.bottom_up_order`;
+bounded by deterministic time, so load does not cut it short), then the skyline
 search of :mod:`.skyline` (fast on sets that are full at every instant, blind with free
 space, so it gets a short slice) and CP-SAT decisions of :mod:`.decide` with and
 without symmetry breaking and hints, with per-round seeds. The first member that
@@ -56,6 +58,11 @@ RESTART_SLICE = 0.5
 # skyline nodes per restart (restarts: SKYLINE_RESTARTS, rotating orders)
 SKYLINE_NODES = 2000
 SKYLINE_RESTARTS = 6
+# the bottom-up member: orders tried per pass, and CP-SAT deterministic time per order
+# in the first pass (its successes on the generated sets took 0.011-0.07 of it, 0.3-1.6
+# wall seconds on a loaded 2-core machine)
+BOTTOM_UP_TRIES = 3
+BOTTOM_UP_DET = 0.05
 
 
 @dataclass
@@ -86,9 +93,18 @@ class Member:
     name: str
     variant: Variant | None = None  # None: the skyline search
     weight: float = 1.0  # its restarts last this many slices
+    # a bottom-up member (variant.order >= 0) tries a new order each pass, ``stride``
+    # past its last (copies of it in a lane start at consecutive orders): its search
+    # is deterministic for an order, so a new seed would repeat it while a new order
+    # is a new try
+    stride: int = 1
+    # wall mode: each try is bounded by this much CP-SAT deterministic time (doubling
+    # every pass) instead of a wall slice, so a loaded machine slows it but does not cut
+    # it short (0: a wall slice of weight x RESTART_SLICE)
+    det_slice: float = 0.0
 
 
-def lanes_for(workers: int, seed: int, bisecting: bool = False) -> list[list[Member]]:
+def lanes_for(workers: int, seed: int, bisecting: bool = False, round_: int = 0) -> list[list[Member]]:
     """The portfolio, split in ``workers`` lanes run in parallel. A lane cycles through
     its members until the rung's slice ends, each CP-SAT attempt a short restart
     (:data:`RESTART_SLICE`, doubling every pass) with a new seed each pass: their run
@@ -98,10 +114,21 @@ def lanes_for(workers: int, seed: int, bisecting: bool = False) -> list[list[Mem
     solves most; a hint from greedy slowed CP-SAT down by 10-100x at the bound; the
     plain model and energetic reasoning solve others; CP-SAT's fixed bottom-up search
     and the skyline solve sets that are full at every instant. One worker runs them
-    all in one lane. Above the floor (``bisecting``) the hinted member goes first: a
-    placement just above the capacity is a good start there, and without it CP-SAT
-    found nothing even at 1.15 x the bound on MiniMalloc's D in 0.03 deterministic
-    time."""
+    all in one lane. Above the floor (``bisecting``) the hinted member comes right
+    after the first bottom-up try: a placement just above the capacity is a good start
+    there, and without it CP-SAT found nothing even at 1.15 x the bound on MiniMalloc's
+    D in 0.03 deterministic time.
+
+    The bottom-up member (CP-SAT's fixed search under the orders of
+    :func:`.decide.bottom_up_order`) leads every lane: on the 450- and 600-buffer
+    generated sets, with and without free space, it was the only member that placed
+    them at or near the bound within 10 s, each success within 1.6 s of one order, so
+    it tries :data:`BOTTOM_UP_TRIES` new orders a pass, interleaved with the other
+    members. Round ``round_`` starts again from the first orders with twice the
+    previous round's deterministic time: on a loaded machine the rung's wall share
+    can end a try before its budget (the search by start placed the generated
+    strips-600-free at the bound in 0.049 deterministic time, 1.2-3.2 s of wall time
+    at loads 2-3), and the same order searched further is what that try needed."""
     sym = Member("cpsat-sym", Variant("cpsat-sym", symmetry=True, hint=False, seed=seed))
     energy = Member("cpsat-energy", Variant("cpsat-energy", symmetry=True, hint=False, seed=seed,
                                             params=(("use_energetic_reasoning_in_no_overlap_2d", True),)))
@@ -110,13 +137,19 @@ def lanes_for(workers: int, seed: int, bisecting: bool = False) -> list[list[Mem
     fixed = Member("cpsat-fixed", Variant("cpsat-fixed", symmetry=True, hint=False, seed=seed, fixed=True), 4.0)
     hinted = Member("cpsat-hint", Variant("cpsat-hint", symmetry=True, hint=True, seed=seed))
     skyline_m = Member("skyline")
+    # copies of the bottom-up member interleaved with the others: each new order is a
+    # fresh chance, but so is each other member's first restart (symmetry breaking
+    # settled strips-250-free in 0.3 s where the bottom-up orders did not)
+    bu = [Member("cpsat-bottom-up", Variant("cpsat-bottom-up", symmetry=True, hint=False, seed=seed, fixed=True,
+                                            order=j),
+                 stride=BOTTOM_UP_TRIES, det_slice=BOTTOM_UP_DET * 2 ** round_) for j in range(BOTTOM_UP_TRIES)]
     if workers <= 1:
         if bisecting:
-            return [[hinted, skyline_m, fixed, sym, energy, plain]]
-        return [[skyline_m, fixed, sym, energy, plain, hinted]]
+            return [[bu[0], hinted, bu[1], skyline_m, bu[2], sym, fixed, energy, plain]]
+        return [[bu[0], sym, bu[1], skyline_m, bu[2], energy, fixed, plain, hinted]]
     if bisecting:
-        return [[hinted, sym, energy], [skyline_m, fixed, plain]]
-    return [[sym, energy, hinted], [skyline_m, fixed, plain]]
+        return [[bu[0], hinted, bu[1], sym, bu[2], energy], [skyline_m, fixed, plain]]
+    return [[bu[0], sym, bu[1], energy, bu[2], hinted], [skyline_m, fixed, plain]]
 
 
 def ladder(
@@ -171,7 +204,7 @@ def ladder(
         nonlocal used_det
         share = min(share, total - spent())
         bisecting = cap > result.floor
-        lanes = lanes_for(1 if deterministic else workers, seed + 1000 * round_, bisecting)
+        lanes = lanes_for(1 if deterministic else workers, seed + 1000 * round_, bisecting, round_)
         hint = result.offsets
         other = known_hint() if known_hint is not None and bisecting else None
         if other is not None and red.peak(other) < result.peak:
@@ -248,8 +281,14 @@ def _run_rung(red: Reduced, cap: int, lanes: list[list[Member]], share: float, d
                     a = _skyline(red, cap, seed, stop, deterministic, end)
                 else:
                     v = replace(m.variant, seed=m.variant.seed + pass_)
-                    det = share / max(1, n_cp) if deterministic else 1e9
-                    end = rung_end if deterministic else min(rung_end, time.perf_counter() + m.weight * RESTART_SLICE * 2 ** pass_)
+                    if v.order >= 0:  # a new order each pass (docstring of lanes_for)
+                        v = replace(v, order=v.order + pass_ * m.stride)
+                    if deterministic:
+                        det, end = share / max(1, n_cp), rung_end
+                    elif m.det_slice > 0:
+                        det, end = m.det_slice * 2 ** pass_, rung_end
+                    else:
+                        det, end = 1e9, min(rung_end, time.perf_counter() + m.weight * RESTART_SLICE * 2 ** pass_)
                     a = decide_cpsat(red, cap, v, det, end, hint=hint, stop=stop)
                 attempts[k].append(a)
                 if a.status != UNKNOWN:

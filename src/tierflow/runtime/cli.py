@@ -255,14 +255,16 @@ def _train_compiled(args: argparse.Namespace) -> int:
 
     t = Table(title=f"tierflow train --compile {args.compile}: {args.model} on {args.device}, "
               f"budget {args.budget or 'none'}")
-    for col in ("graph", "calls", "saved", "kept", "offloaded", "recomputed", "trace peak", "planned peak", "target"):
+    for col in ("graph", "calls", "saved", "kept", "offloaded", "recomputed", "trace peak", "planned peak", "target",
+                "predicted step"):
         t.add_column(col, justify="right")
     for g in st.compiled_graphs:
         t.add_row(str(g["index"]), str(g["calls"]), f"{g['saved']} ({fmt_bytes(g['saved_bytes'])})", str(g["kept"]),
                   f"{g['offloaded']} ({fmt_bytes(g['offloaded_bytes'])})", str(g["recomputed"]),
                   fmt_bytes(g["predicted_peak_bytes"]), fmt_bytes(g["predicted_peak_bytes_planned"]),
                   "none" if g["target_bytes"] is None else fmt_bytes(g["target_bytes"])
-                  + (" (not reached)" if g["unreachable"] else ""))
+                  + (" (not reached)" if g["unreachable"] else ""),
+                  "" if g.get("predicted_step_s") is None else fmt_seconds(g["predicted_step_s"]))
     con = u.console()
     con.print(t)
     con.print(f"steps {st.steps}, median step {fmt_seconds(st.step_time_s)} (after the first, which compiles); "
