@@ -107,8 +107,14 @@ def arm_makers(w: Workload, shares: list[float], ambs: list[float], headroom: fl
 
 
 def graph_pairs(run: Any) -> list[tuple[Any, Any]]:
-    """(facts, plan) of each compiled graph, in compile order."""
-    return [(r.facts, r.plan) for r in run.records]
+    """(facts, plan) of each graph a step runs, in order: the graphs called as often as
+    the most-called one (a graph Dynamo replaced after the first step is left out).
+    Every compile partitions (the caches are off in :func:`main`), so the records and
+    the reports pair up in compile order."""
+    if len(run.records) != len(run.graphs):
+        raise RuntimeError(f"{len(run.records)} partitions for {len(run.graphs)} graphs: a cache hit left a graph unplanned")
+    most = max(g.calls for g in run.graphs)
+    return [(r.facts, r.plan) for r, g in zip(run.records, run.graphs, strict=True) if g.calls == most]
 
 
 def policy_rows(pairs: list[tuple[Any, Any]], ambs: list[float], hw: Any) -> list[dict[str, Any]]:
@@ -237,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64
+    # a cache hit skips the partitioner: its graph would have no trace to predict from
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     device = torch.device(args.device)
     out = {"torch": torch.__version__, "device": str(device), "results": []}
     for name in args.models.split(","):

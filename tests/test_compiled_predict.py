@@ -16,6 +16,7 @@ import tierflow.compiled as tc
 from tierflow.compiled.graph_trace import BYTES_PER_S
 from tierflow.compiled.plan import GraphPlan, curve_with
 from tierflow.compiled.predict import graph_plan_as_plan, predict_graph, predict_step
+from tierflow.errors import PlanError
 from tierflow.plan import validate
 from tierflow.policies._rematerialize import recompute_chains
 
@@ -121,7 +122,8 @@ def test_recomputed_tensors_are_simulated_as_chains():
     rerun = [i for r in sim_plan.recomputes for i in r.ops]  # an op two chains need runs twice
     assert pred.recompute_s == pytest.approx(float(facts.trace.durations[rerun].sum()), rel=1e-9)
     assert pred.step_s == pytest.approx(pred.ideal_s + pred.recompute_s, rel=1e-9)
-    assert pred.kept_saved_bytes == facts.saved_bytes - sum(s.bytes for s in facts.saved if s.name in names)
+    kept = {s.tensor for s in facts.saved if s.name not in names and not facts.trace.tensors[s.tensor].external}
+    assert pred.kept_saved_bytes == sum(facts.trace.tensors[t].bytes for t in kept)
 
 
 def test_chains_re_make_each_dropped_tensor_before_its_first_backward_use():
@@ -140,3 +142,11 @@ def test_a_step_of_two_graphs_adds_times_and_carries_kept_bytes():
     g0, g1 = step.graphs
     assert step.step_s == pytest.approx(g0.step_s + g1.step_s)
     assert step.peak_bytes == max(g0.peak_bytes, g0.kept_saved_bytes + g1.peak_bytes)
+
+
+def test_a_tensor_the_backward_never_reads_cannot_be_recomputed():
+    trace = records(None).records[0].facts.trace
+    bwd = {t for o in trace.ops if o.phase == "backward" for t in o.tensors}
+    fwd_only = next(t for o in trace.ops if o.phase == "forward" for t in o.outputs if t not in bwd)
+    with pytest.raises(PlanError, match="no backward use"):
+        recompute_chains(trace, {fwd_only})

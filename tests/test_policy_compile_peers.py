@@ -199,6 +199,15 @@ def test_marks_largest_marks_a_prefix_of_the_largest(tiny):
     _checked(some, tiny, hw, budget)
 
 
+def test_marks_largest_offloads_more_as_the_budget_falls(tiny):
+    hw = simple_hw()
+    chosen = []
+    for share in (0.95, 0.9, 0.85, 0.8, 0.75):
+        plan = make_plan("compile_offloading", tiny, hw, budget=_budget(tiny, share), marks="largest")
+        chosen.append({m.tensor for m in plan.moves if m.kind == "evict"})
+    assert all(a <= b for a, b in zip(chosen, chosen[1:])) and chosen[0] != chosen[-1]
+
+
 def test_prefetch_walk_covers_each_copy_with_compute(tiny):
     gaps = [g for g in forward_to_backward_gaps(tiny) if g.before_op - g.after_op > 1]
     copy_s = {g.tensor: 1.5e-3 for g in gaps}  # one and a half ops of 1 ms

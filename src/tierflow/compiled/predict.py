@@ -48,8 +48,8 @@ class GraphPrediction:
         stall_s: time the compute stream waited for copies.
         recompute_s: time re-running forward ops.
         peak_bytes: highest device bytes above the step's start (inputs left out).
-        kept_saved_bytes: saved bytes the plan keeps on the device through the backward
-            (what a later graph of the same step runs beside).
+        kept_saved_bytes: bytes of the saved tensors the plan keeps on the device through
+            the backward, inputs left out (what a later graph of the same step runs beside).
     """
 
     step_s: float
@@ -172,7 +172,11 @@ def predict_graph(facts: GraphFacts, plan: GraphPlan, hardware: Hardware | None 
     sim_plan = graph_plan_as_plan(facts, plan, trace, hw.device_capacity)
     res = simulate(trace, hw, sim_plan)
     gone = _recomputed(plan) | plan.offload
-    kept = sum(s.bytes for s in facts.saved if s.name not in gone)
+    # what stays for the backward: once per storage (views share their base's id), and
+    # not the graph's inputs (a saved parameter is there before and after the step)
+    external = facts.trace.external
+    kept_ids = {s.tensor for s in facts.saved if s.name not in gone and not external[s.tensor]}
+    kept = int(sum(int(facts.trace.sizes[t]) for t in kept_ids))
     peak = int(res.peak_bytes.get(hw.device, 0)) - held if res.fits else -1
     return GraphPrediction(step_s=float(res.time_s), ideal_s=float(res.ideal_s), stall_s=float(res.stall_s),
                            recompute_s=float(res.recompute_s), peak_bytes=peak, kept_saved_bytes=int(kept))
