@@ -1106,6 +1106,18 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                           "run.stats.compiled_ops_run_eager counts its ops", RuntimeWarning, stacklevel=2)
 
     @contextlib.contextmanager
+    def _own_ops(self) -> Iterator[None]:
+        """Ops issued inside are the runtime's own (a hook labelling a gradient, a fetch
+        for the unpack hook, a host step's copies, a state dict's copy): the dispatch
+        mode runs them as they are, neither counted nor planned. The one place that
+        says so (``_quiet``), so that a hook that raises cannot leave it set."""
+        prior, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = prior
+
+    @contextlib.contextmanager
     def untracked(self) -> Iterator[None]:
         """Run ops outside the iteration's bookkeeping: tensors they read are brought to
         the device as usual, but they are not counted as ops of the iteration and their

@@ -510,16 +510,15 @@ class HostSteps:
                     f"the gradient of {hp.name} was accumulated again after its host update began "
                     "(more backward passes than the profiled iteration had); profile with the same "
                     "number of backward passes per optimizer step, or pass host_step_overlap=False")
-            q, self._quiet = self._quiet, True
             t0 = time.perf_counter()
             try:
-                self._host_send(hp)
-                if self._host_overlap and self._op > hp.last_read:
-                    self._host_start(hp)
-                    hp.early = True
-                    self.stats.host_steps_in_backward += 1
+                with self._own_ops():
+                    self._host_send(hp)
+                    if self._host_overlap and self._op > hp.last_read:
+                        self._host_start(hp)
+                        hp.early = True
+                        self.stats.host_steps_in_backward += 1
             finally:
-                self._quiet = q
                 if self._timing:  # (the runtime's own work, not the model's: see retime)
                     self._retimer.add_handler_s(time.perf_counter() - t0)
         return hook
@@ -718,8 +717,7 @@ class HostSteps:
         the start of an iteration are copied back (the rest come back when needed)."""
         if not self._host_active:
             return
-        q, self._quiet = self._quiet, True
-        try:
+        with self._own_ops():
             changed = [hp.name for hp in self._host_params if hp.early and self._host_grad_stale(hp)]
             peeked = [hp.name for hp in self._host_params if hp.peeked]
             # (and the settings: an LR set between backward() and step() after an update
@@ -766,8 +764,6 @@ class HostSteps:
                     self._make_room(e.nbytes, [e])
                     self._fetch(e)
             self._note_peak()
-        finally:
-            self._quiet = q
 
 
 __all__ = ["HostSteps", "update_groups"]

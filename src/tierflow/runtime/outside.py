@@ -129,8 +129,7 @@ class CheckpointGuard:
         run = self._run
         if not run._open:
             return
-        quiet, run._quiet = run._quiet, True
-        try:
+        with run._own_ops():
             for state in optimizer.state.values():
                 for k, v in list(state.items()):
                     if (isinstance(v, torch.Tensor) and getattr(v, run._dev_attr) is True
@@ -138,8 +137,6 @@ class CheckpointGuard:
                         state[k] = v.clone()
                         self.adopted += 1
             run._label_opt_state()  # (the copies take the state's keys: the plan finds them)
-        finally:
-            run._quiet = quiet
 
     def _away(self, t: torch.Tensor) -> _Entry | None:
         run = self._run
@@ -157,8 +154,7 @@ class CheckpointGuard:
             return t
         run = self._run
         tier = e.tier if e.state is not RESIDENT else None
-        quiet, run._quiet = run._quiet, True
-        try:
+        with run._own_ops():
             # NOTE: no room is made for it: that would evict tensors this state dict
             # already holds (aliases, read by torch.save later). The bytes pass through
             # the device for one copy and go back to their tier.
@@ -169,8 +165,6 @@ class CheckpointGuard:
             copy = t.detach().to("cpu", copy=True) if run._cuda else t.detach().clone()
             if tier is not None and tier != "home":
                 run._evict(e, tier)
-        finally:
-            run._quiet = quiet
         self.copies += 1
         return copy
 

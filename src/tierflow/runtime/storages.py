@@ -349,11 +349,8 @@ class StorageTracking:
                 return
             if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
                 self._opfacts.tick("grad", name)
-                q, self._quiet = self._quiet, True
-                try:
+                with self._own_ops():
                     self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
-                finally:
-                    self._quiet = q
         return hook
 
     def _tid(self, e: _Entry) -> int:
@@ -381,11 +378,8 @@ class StorageTracking:
         if type(t) in _PLAIN:
             with torch._C._DisableTorchDispatch():
                 return t.detach()
-        q, self._quiet = self._quiet, True
-        try:
+        with self._own_ops():
             return t.detach()  # a subclass (DTensor) detaches through its own dispatch
-        finally:
-            self._quiet = q
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         if self._hook is not None and self._hook.off_mode:  # (following at ticks: runtime/hook_follow.py)
@@ -400,13 +394,10 @@ class StorageTracking:
         if self._opfacts.logging_ticks:
             self._opfacts.tick("unpack", (e.key or "") if e is not None else "")
         if e is not None and (e.state != RESIDENT or e.arrival is not None):
-            q, self._quiet = self._quiet, True
-            try:
+            with self._own_ops():
                 self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
                 self._ensure_resident(e)
                 self._note_peak()
-            finally:
-                self._quiet = q
         return t
 
     def _hooks_off_for_iteration(self) -> None:
