@@ -168,10 +168,12 @@ def forward_graph(trace: Trace) -> ForwardGraph:
             banned[i] = "always"
         elif name not in lists["recomputable_ops"]:
             banned[i] = "allowlist"
-    for o in trace.ops:
-        fusible = o.phase == "forward" and base_name(o.name) in lists["fusible_ops"]
-        if not fusible:
-            for a in o.inputs:
+    # torch: materialized unless the tensor's op and every user's op are fusible ops
+    # (its check is by op type, whatever the graph half the user is in)
+    fusible = [base_name(o.name) in lists["fusible_ops"] for o in trace.ops]
+    for i, o in enumerate(trace.ops):
+        for a in o.inputs:
+            if not fusible[i] or (maker[a] >= 0 and not fusible[int(maker[a])]):
                 materialized[a] = True
     return ForwardGraph(maker, frozenset(wanted), dist, banned, materialized)
 
