@@ -97,14 +97,16 @@ def workload(name: str, device: torch.device, quick: bool) -> Workload:
                 "mlp-dynamic": f", dynamic=True, seq cycling {seqs} (peak at {seqs[2 % len(seqs)]})"}[name]
         return Workload(f"gated-mlp d{d} h{h} x{n}, batch {b}x{s}{what}", model, batch, lambda f, x: f(x),
                         compile_kwargs={"dynamic": True} if name == "mlp-dynamic" else {})
-    if name in ("gpt2", "gpt2-small"):
+    if name in ("gpt2", "gpt2-small", "gpt2-8l"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         layers, width, b, s = (2, 128, 2, 128) if quick else (4, 256, 8, 256)
         if name == "gpt2-small" and not quick:  # GPT-2 124M's shape (the GPU rows)
             layers, width, b, s = 12, 768, 8, 1024
+        if name == "gpt2-8l" and not quick:  # deeper: the layers, not the loss, make the peak
+            layers, width, b, s = 8, 256, 4, 256
         cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4 if width < 768 else 12, n_positions=s,
-                         vocab_size=2048 if name == "gpt2" else 50257,
+                         vocab_size=50257 if name == "gpt2-small" else 2048,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(cfg).to(device)
 
@@ -114,7 +116,7 @@ def workload(name: str, device: torch.device, quick: bool) -> Workload:
 
         return Workload(f"HF GPT-2 {layers}L w{width}, batch {b}x{s} (from a config, dropout 0)", model, batch,
                         lambda f, ids: f(input_ids=ids, labels=ids).loss)
-    raise SystemExit(f"unknown model {name!r} (mlp, mlp-break, mlp-dynamic, gpt2, gpt2-small)")
+    raise SystemExit(f"unknown model {name!r} (mlp, mlp-break, mlp-dynamic, gpt2, gpt2-8l, gpt2-small)")
 
 
 def allocator_peak(step: Callable[[], Any], device: torch.device | None = None) -> int:

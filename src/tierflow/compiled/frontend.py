@@ -101,6 +101,9 @@ class GraphReport:
             without and with the plan; target_bytes: what the plan aimed at.
         unreachable: the target could not be met by offloading saved tensors.
         calls: compiled forward calls of this graph.
+        made_saved_bytes: bytes of the saved tensors the forward makes (what a later
+            graph of the step runs beside; the graph's inputs saved, parameters among
+            them, are there before the step and not counted).
         predicted_step_s: the simulator's time of the graph's forward and backward with
             the plan (:func:`tierflow.compiled.predict.predict_graph`, CPU figures).
     """
@@ -118,6 +121,7 @@ class GraphReport:
     unreachable: bool = False
     calls: int = 0
     predicted_step_s: float | None = None
+    made_saved_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -257,7 +261,8 @@ class CompiledOffload:
     def _carried(self, report: GraphReport) -> tuple[int, int]:
         """Bytes earlier graphs keep saved, and would save unplanned, while ``report``'s runs."""
         earlier = [g for g in self.graphs if g.index < report.index and g.calls == 1]
-        return (sum(g.saved_bytes - g.offloaded_bytes for g in earlier), sum(g.saved_bytes for g in earlier))
+        made = sum(g.made_saved_bytes for g in earlier)
+        return (made - sum(g.offloaded_bytes for g in earlier), made)
 
     def _target(self, facts: GraphFacts, report: GraphReport) -> int | None:
         """What graph ``report`` may hold live, on its trace.
@@ -286,6 +291,7 @@ class CompiledOffload:
         sizes = {s.name: s.bytes for s in facts.saved}
         report.saved = len(facts.saved)
         report.saved_bytes = facts.saved_bytes
+        report.made_saved_bytes = sum(s.bytes for s in facts.saved if not facts.trace.tensors[s.tensor].external)
         report.offloaded = len(rec.offloaded)
         report.offloaded_bytes = sum(sizes[n] for n in rec.offloaded)
         report.kept = report.saved - report.offloaded
