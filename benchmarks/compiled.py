@@ -107,7 +107,7 @@ def workload(name: str, device: torch.device, quick: bool) -> Workload:
             layers, width, b, s = 8, 256, 4, 256
         cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=4 if width < 768 else 12, n_positions=s,
                          vocab_size=50257 if name == "gpt2-small" else 2048,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
         model = GPT2LMHeadModel(cfg).to(device)
 
         def batch(i: int) -> torch.Tensor:

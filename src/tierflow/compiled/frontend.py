@@ -39,6 +39,10 @@ from .predict import predict_graph
 
 BACKENDS = ("inductor", "aot_eager")
 SLOTS_PER_GRAPH = 1 << 20
+# What runs between a graph's forward and its backward, estimated from the forward's
+# largest output to the caller: a loss over it. A cross-entropy over logits holds its
+# log-softmax, that one's gradient and the loss's gradient: three times the logits.
+LOSS_WORKING_SET = 3
 _warned_fallback = False
 
 
@@ -172,6 +176,29 @@ class CallCounter:
         return run
 
 
+def with_loss_between(facts: GraphFacts, factor: int = LOSS_WORKING_SET) -> GraphFacts:
+    """``facts`` with the estimated working set of the loss added where the forward ends.
+
+    The graph's trace goes from its last forward op straight to its first backward op,
+    but the caller computes a loss in between (in eager code or in a graph of its own,
+    after a graph break: Hugging Face models compute theirs so), while everything the
+    forward saved is live. Unplanned, that loss lands on top of the forward's end; the
+    plan sees it as ``factor`` times the bytes of the forward's largest output to the
+    caller (the logits, for a language model; other outputs, such as a key/value cache,
+    feed no loss), so that it offloads across it.
+    """
+    trace, n_fwd = facts.trace, facts.n_fwd
+    if n_fwd >= trace.n_ops or n_fwd <= 0:
+        return facts
+    outputs = max((t.bytes for t in trace.tensors
+                    if t.held_until == n_fwd and t.kind != "gradient" and not t.external), default=0)
+    if outputs <= 0:
+        return facts
+    curve = facts.curve.copy()
+    curve[n_fwd - 1] += factor * outputs
+    return dataclasses.replace(facts, curve=curve)
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backend: str,
                    partitioner: PlanPartitioner | None) -> Callable[..., Any]:
     if backend == "inductor":
@@ -283,6 +310,7 @@ class CompiledOffload:
         return None
 
     def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
+        facts = with_loss_between(facts)
         return plan_graph(facts, self._target(facts, report))
 
     def _partitioned(self, rec: PartitionRecord, report: GraphReport) -> None:
