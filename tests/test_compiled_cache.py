@@ -9,9 +9,9 @@ import torch
 from torch import fx
 
 import tierflow.compiled as tc
+from test_compiled_frontend import plain, planned, same, train
 from tierflow.compiled.hook import hoist_saved_views
 from tierflow.compiled.memo import PlanMemo, graph_key
-from test_compiled_frontend import planned, plain, same, train
 
 aten = torch.ops.aten
 
@@ -82,3 +82,29 @@ def test_inductor_cache_hit_keeps_the_plan_and_a_new_plan_recompiles(monkeypatch
     assert g2.offloaded == g1.offloaded > 0 and g2.offloaded_bytes == g1.offloaded_bytes
     assert second_moved == first_moved == 2 * g1.offloaded
     assert same(first, ref) and same(second, ref) and same(other, ref)
+
+
+def test_the_plan_sees_the_loss_on_the_forward_s_largest_output():
+    """A loss computed outside the graph holds about three times the logits while the
+    forward's saved tensors are live: the plan's curve carries it where the forward ends."""
+    from tierflow.compiled.frontend import LOSS_WORKING_SET, with_loss_between
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 256))
+    run = tc.compile(model, budget="50%", backend="aot_eager")
+    x = torch.randn(8, 16, 32)
+    run.model(x).logsumexp(-1).mean().backward()
+    facts = run.records[0].facts
+    seen = with_loss_between(facts)
+    n = facts.n_fwd
+    logits = 8 * 16 * 256 * 4
+    assert int(seen.curve[n - 1] - facts.curve[n - 1]) == LOSS_WORKING_SET * logits
+    assert (seen.curve[: n - 1] == facts.curve[: n - 1]).all() and (seen.curve[n:] == facts.curve[n:]).all()
+
+
+def test_a_scalar_output_adds_no_loss_estimate_beyond_its_bytes():
+    from tierflow.compiled.frontend import with_loss_between
+
+    _, _, run = train(planned("50%"), steps=1)
+    facts = run.records[0].facts
+    assert int(with_loss_between(facts).curve.max() - facts.curve.max()) <= 3 * 4
