@@ -360,12 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64
+    return run_models(args, run_model, print_rows)
+
+
+def run_models(args: argparse.Namespace, run: Callable[..., dict[str, Any]],
+               show: Callable[[dict[str, Any]], None]) -> int:
+    """Each of ``args.models`` through ``run``, its rows printed by ``show``; the JSON of
+    all of them into ``args.json``."""
     device = torch.device(args.device)
     out = {"torch": torch.__version__, "device": str(device), "results": []}
     for name in args.models.split(","):
         print(f"{name}:", flush=True)
-        res = run_model(name, args, device)
-        print_rows(res)
+        res = run(name, args, device)
+        show(res)
         out["results"].append(res)
         sys.stdout.flush()
     if args.json:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -47,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tierflow.compiled as tc  # noqa: E402
-from compiled import Arm, Workload, own_code, prepare_arm, timed_round, workload  # noqa: E402
+from compiled import Arm, Workload, own_code, prepare_arm, run_models, timed_round, workload  # noqa: E402
 from tierflow.compiled.predict import cpu_hardware, predict_step, step_trace  # noqa: E402
 
 AMBS = "1.0,0.8,0.6,0.4,0.2,0.1"
@@ -248,18 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     inductor_config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
-    device = torch.device(args.device)
-    out = {"torch": torch.__version__, "device": str(device), "results": []}
-    for name in args.models.split(","):
-        print(f"{name}:", flush=True)
-        res = run_model(name, args, device)
-        print_rows(res)
-        out["results"].append(res)
-        sys.stdout.flush()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-    return 0
+    return run_models(args, run_model, print_rows)
 
 
 if __name__ == "__main__":
