@@ -13,38 +13,13 @@ import pytest
 import torch
 
 import tierflow.compiled as tc
+from test_compiled_frontend import GatedMLP
 from tierflow.compiled.graph_trace import BYTES_PER_S
 from tierflow.compiled.plan import GraphPlan, curve_with
 from tierflow.compiled.predict import graph_plan_as_plan, predict_graph, predict_step
 from tierflow.errors import PlanError
 from tierflow.plan import validate
 from tierflow.policies._rematerialize import recompute_chains
-
-
-class GatedMLP(torch.nn.Module):
-    """Pre-norm gated MLP blocks; ``brk`` puts a graph break after half of them."""
-
-    def __init__(self, d: int, h: int, n: int, brk: bool = False) -> None:
-        super().__init__()
-        self.brk = brk
-        lin = torch.nn.Linear
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.ModuleDict({"g": lin(d, h), "u": lin(d, h), "o": lin(h, d), "ln": torch.nn.LayerNorm(d)})
-            for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        half = len(self.blocks) // 2
-        x = self.run_blocks(x, self.blocks[:half])
-        if self.brk:  # outside the loops: Dynamo skips a frame that breaks inside one
-            torch._dynamo.graph_break()
-        return self.run_blocks(x, self.blocks[half:]).pow(2).mean()
-
-    @staticmethod
-    def run_blocks(x: torch.Tensor, blocks: torch.nn.ModuleList) -> torch.Tensor:
-        for b in blocks:
-            y = b["ln"](x)
-            x = x + b["o"](torch.nn.functional.silu(b["g"](y)) * b["u"](y))
-        return x
 
 
 def records(budget, brk: bool = False):
