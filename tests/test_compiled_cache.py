@@ -8,10 +8,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import tierflow.compiled as tc
+from test_compiled_frontend import plain, planned, same, train
 from tierflow.compiled.hook import hoist_saved_views
 from tierflow.compiled.memo import PlanMemo, graph_key
-from test_compiled_frontend import planned, plain, same, train
 
 aten = torch.ops.aten
 
