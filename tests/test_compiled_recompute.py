@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -23,9 +24,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, n: int = 2, p: float = 0.0) -> None:
+    def __init__(self, n: int = 2, p: float = 0.0, d: int = 32) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(p=p) for _ in range(n))
+        self.blocks = nn.ModuleList(Block(d, p) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -44,14 +45,15 @@ def recompute_all(run: tc.CompiledOffload, with_inputs: bool = False) -> None:
     run._decide = decide
 
 
-def train(p: float = 0.0, planned: bool = True, force: bool = True, steps: int = 3):
+def train(p: float = 0.0, planned: bool = True, force: bool = True, steps: int = 3, d: int = 32,
+          budget: str = "50%"):
     """Losses, final parameters and the handle of ``steps`` AdamW steps of a seeded Net."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net(p=p)
+    model = Net(p=p, d=d)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if planned:
-        run = tc.compile(model, budget="50%", backend="aot_eager")
+        run = tc.compile(model, budget=budget, backend="aot_eager")
         if force:
             recompute_all(run, with_inputs=p > 0)
         fn = run.model
@@ -62,7 +64,7 @@ def train(p: float = 0.0, planned: bool = True, force: bool = True, steps: int =
     losses = []
     torch.manual_seed(2)  # the dropout's draws: the same sequence in both runs
     for _ in range(steps):
-        loss = fn(torch.randn(4, 64, 32, generator=gen))
+        loss = fn(torch.randn(4, 64, d, generator=gen))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -80,9 +82,20 @@ def test_recompute_is_bitwise_equal_to_plain_compile_and_saves_less():
     rec = got[2].records[0]
     assert rec.recomputed and not rec.tags_dropped
     assert rec.saved_count_after < len(rec.facts.saved)
+    assert rec.saved_after < rec.facts.saved_bytes
     report = got[2].graphs[0]
     assert report.recomputed == len(rec.recomputed)
     assert report.kept == report.saved - report.offloaded - report.recomputed
+
+
+def test_the_planner_own_recomputes_are_done_and_bitwise_equal():
+    """No forced plan: the budget's plan recomputes (the layer norm outputs are cheap to
+    re-make), torch honours it, and training equals plain compile."""
+    ref, got = train(planned=False, d=128), train(force=False, d=128, budget="30%")
+    assert same(ref, got)
+    rec = got[2].records[0]
+    assert rec.plan.recompute and set(rec.recomputed) <= rec.plan.recompute and rec.recomputed
+    assert got[2].graphs[0].recomputed == len(rec.recomputed)
 
 
 def test_key_changes_when_only_the_recompute_set_does():
@@ -150,3 +163,25 @@ def test_plan_chooses_recompute_or_offload_by_cost():
         if s.recomputable:
             assert recompute_s(facts, s.tensor, final) >= copy_s(s.bytes)
     assert plan.offload and plan.recompute  # this net exercises both choices
+
+
+def test_a_partition_that_fails_with_tags_is_retried_without_them(monkeypatch):
+    """A min-cut that cannot honour the tags: the graph is partitioned untagged, said once,
+    and nothing counts as recomputed."""
+    import torch._functorch.partitioners as partitioners
+
+    real = partitioners.min_cut_rematerialization_partition
+
+    def refuses_tags(gm, *args, **kwargs):
+        if any("recompute" in n.meta for n in gm.graph.nodes):
+            raise RuntimeError("cannot honour the recompute tags")
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(partitioners, "min_cut_rematerialization_partition", refuses_tags)
+    monkeypatch.setattr(hook, "_warned_untagged", False)
+    ref = train(planned=False)
+    with pytest.warns(RuntimeWarning, match="partitioned without them"):
+        got = train()
+    assert same(ref, got)
+    rec = got[2].records[0]
+    assert rec.tags_dropped and rec.recomputed == [] and got[2].graphs[0].recomputed == 0
