@@ -185,3 +185,32 @@ def test_a_partition_that_fails_with_tags_is_retried_without_them(monkeypatch):
     assert same(ref, got)
     rec = got[2].records[0]
     assert rec.tags_dropped and rec.recomputed == [] and got[2].graphs[0].recomputed == 0
+
+
+def test_recompute_under_dynamic_shapes_adds_no_recompile_and_stays_equal():
+    def run(planned: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if planned:
+            handle = tc.compile(model, budget="50%", backend="aot_eager", dynamic=True)
+            recompute_all(handle)
+            fn = handle.model
+        else:
+            handle = tc.CallCounter("aot_eager")
+            fn = torch.compile(model, backend=handle, dynamic=True)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for seq in (48, 80, 112):
+            loss = fn(torch.randn(4, seq, 32, generator=gen))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [q.detach().clone() for q in model.parameters()], handle
+
+    ref, got = run(False), run(True)
+    assert same(ref, got)
+    assert got[2].compiles == ref[2].graphs
+    assert all(rec.recomputed and not rec.tags_dropped for rec in got[2].records)
