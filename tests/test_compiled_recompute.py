@@ -214,3 +214,37 @@ def test_recompute_under_dynamic_shapes_adds_no_recompile_and_stays_equal():
     assert same(ref, got)
     assert got[2].compiles == ref[2].graphs
     assert all(rec.recomputed and not rec.tags_dropped for rec in got[2].records)
+
+
+def test_attention_and_layer_norm_outputs_are_tagged_whole_and_stay_equal():
+    """SDPA and layer norm return several tensors: their units are tagged together, so
+    the partition succeeds with the tags and torch recomputes them."""
+
+    def run(planned: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        handle = None
+        if planned:
+            handle = tc.compile(model, budget="50%", backend="aot_eager")
+            recompute_all(handle)
+            fn = handle.model
+        else:
+            fn = torch.compile(model, backend="aot_eager")
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            loss = fn(torch.randn(4, 32, 32, generator=gen)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, [q.detach().clone() for q in model.parameters()], handle
+
+    ref, got = run(False), run(True)
+    assert same(ref, got)
+    (rec,) = got[2].records
+    assert not rec.tags_dropped and rec.saved_after < rec.facts.saved_bytes
+    multi = [s.name for s in rec.facts.saved if "getitem" in s.name and s.recomputable]  # tuple outputs
+    assert multi and set(multi) & set(rec.recomputed)
