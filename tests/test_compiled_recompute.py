@@ -85,7 +85,8 @@ def test_recompute_is_bitwise_equal_to_plain_compile_and_saves_less():
     assert rec.saved_after < rec.facts.saved_bytes
     report = got[2].graphs[0]
     assert report.recomputed == len(rec.recomputed)
-    assert report.kept == report.saved - report.offloaded - report.recomputed
+    assert report.kept + report.offloaded == rec.saved_count_after
+    assert report.saved - report.recomputed <= rec.saved_count_after  # recompute may add frontier tensors
 
 
 def test_the_planner_own_recomputes_are_done_and_bitwise_equal():
@@ -94,7 +95,7 @@ def test_the_planner_own_recomputes_are_done_and_bitwise_equal():
     ref, got = train(planned=False, d=128), train(force=False, d=128, budget="30%")
     assert same(ref, got)
     rec = got[2].records[0]
-    assert rec.plan.recompute and set(rec.recomputed) <= rec.plan.recompute and rec.recomputed
+    assert rec.plan.recompute and set(rec.recomputed) & rec.plan.recompute
     assert got[2].graphs[0].recomputed == len(rec.recomputed)
 
 

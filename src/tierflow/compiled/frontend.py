@@ -93,11 +93,13 @@ class GraphReport:
     Attributes:
         index: order of compilation (graph breaks and recompiles each add one).
         saved: saved tensors torch's partitioner chose; saved_bytes: their bytes.
-        kept, offloaded, recomputed: of those, how many stay saved on the device, move
-            to the host tier and back, or left the saved set for torch's partitioner to
-            re-make them in the backward graph (counted as torch really partitioned: a
-            planned recompute torch did not honour is kept; tensors a recompute adds to
-            the saved set at its frontier are not counted here).
+        kept, offloaded: saved tensors of the real partition that stay on the device,
+            or move to the host tier and back (``kept + offloaded`` is what the forward
+            really saves, tensors a recompute adds at its frontier included).
+        recomputed: of ``saved``, how many the real partition left out for torch to
+            re-make in the backward graph (a planned recompute torch did not honour
+            stays saved; what torch took along with one, a layer norm's statistics with
+            its output, is counted).
         offloaded_bytes: bytes of the offloaded ones.
         predicted_peak_bytes, predicted_peak_bytes_planned: the graph's trace's peak
             without and with the plan; target_bytes: what the plan aimed at.
@@ -297,7 +299,7 @@ class CompiledOffload:
         report.offloaded = len(rec.offloaded)
         report.offloaded_bytes = sum(sizes[n] for n in rec.offloaded)
         report.recomputed = len(rec.recomputed)
-        report.kept = report.saved - report.offloaded - report.recomputed
+        report.kept = rec.saved_count_after - report.offloaded
         report.predicted_peak_bytes = facts.peak_bytes
         report.predicted_peak_bytes_planned = plan.predicted_peak_bytes
         report.target_bytes = plan.target_bytes

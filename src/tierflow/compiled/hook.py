@@ -70,8 +70,9 @@ class PartitionRecord:
         offloaded: saved tensors rewritten to go through the host tier.
         slots: the back-end slot of each.
         saved_after: bytes the forward saves after the rewrite (tokens count 0).
-        recomputed: of the plan's recompute names, those torch's partitioner really
-            left out of the saved set (it re-makes them in the backward graph).
+        recomputed: names of the saved set torch would have chosen (``facts.saved``)
+            that the real partition left out (torch re-makes them in the backward graph):
+            the plan's recompute names torch honoured, and what it took along with them.
         saved_count_after: saved tensors of the real partition (before the offload
             rewrite; recompute may add tensors at its frontier).
         tags_dropped: partitioning with the recompute tags failed, the graph was
@@ -152,7 +153,9 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         hoist_saved_views(fwd, n_out)
         real = graph_facts(fwd, bwd, n_out)
         still = {s.name for s in real.saved}
-        record.recomputed = sorted(n for n in plan.recompute if n not in still)
+        # Torch re-makes what the tags ask for and may take more along (a layer norm's
+        # mean and rstd with its output): every name of the unplanned saved set gone.
+        record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
         record.saved_count_after = len(real.saved)
         if plan.offload:
             self._rewrite(fwd, bwd, n_out, plan, record)
