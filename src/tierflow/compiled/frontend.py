@@ -97,13 +97,17 @@ class GraphReport:
     Attributes:
         index: order of compilation (graph breaks and recompiles each add one).
         saved: saved tensors torch's partitioner chose; saved_bytes: their bytes.
-        kept, offloaded, recomputed: of those, how many the plan kept on the device,
-            moves to the host tier and back, or recomputes (the plan recomputes only
-            what torch's own partitioner chose to).
+        kept, offloaded: saved tensors of the real partition that stay on the device,
+            or move to the host tier and back (``kept + offloaded`` is what the forward
+            really saves, tensors a recompute adds at its frontier included).
+        recomputed: of ``saved``, how many the real partition left out for torch to
+            re-make in the backward graph (a planned recompute torch did not honour
+            stays saved; what torch took along with one, a layer norm's statistics with
+            its output, is counted).
         offloaded_bytes: bytes of the offloaded ones.
         predicted_peak_bytes, predicted_peak_bytes_planned: the graph's trace's peak
             without and with the plan; target_bytes: what the plan aimed at.
-        unreachable: the target could not be met by offloading saved tensors.
+        unreachable: the target could not be met by offloading or recomputing saved tensors.
         calls: compiled forward calls of this graph.
         made_saved_bytes: bytes of the saved tensors the forward makes (what a later
             graph of the step runs beside; the graph's inputs saved, parameters among
@@ -322,13 +326,16 @@ class CompiledOffload:
         report.made_saved_bytes = sum(s.bytes for s in facts.saved if not facts.trace.tensors[s.tensor].external)
         report.offloaded = len(rec.offloaded)
         report.offloaded_bytes = sum(sizes[n] for n in rec.offloaded)
-        report.kept = report.saved - report.offloaded
+        report.recomputed = len(rec.recomputed)
+        report.kept = rec.saved_count_after - report.offloaded
         report.predicted_peak_bytes = facts.peak_bytes
         report.predicted_peak_bytes_planned = plan.predicted_peak_bytes
         report.target_bytes = plan.target_bytes
         report.unreachable = plan.unreachable
         try:
-            report.predicted_step_s = predict_graph(facts, plan).step_s
+            # what torch really did: a planned recompute it did not honour stays saved
+            done = dataclasses.replace(plan, recompute=frozenset(rec.recomputed))
+            report.predicted_step_s = predict_graph(facts, done).step_s
         except Exception as e:  # noqa: BLE001 - a prediction must never stop a compile
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)

@@ -44,6 +44,10 @@ class SavedTensor:
             where the plan may take it off the device.
         offloadable: a dense tensor that is neither a graph input, nor returned to the
             caller, nor sharing its storage with another saved tensor.
+        recomputable: torch's partitioner could re-make it in the backward graph: made by
+            a forward op (its storage is not a graph input's), not returned to the caller,
+            read by the backward, and its storage not made by a random op (re-running one
+            would draw new numbers).
     """
 
     name: str
@@ -54,6 +58,7 @@ class SavedTensor:
     last_fwd_use: int
     first_bwd_use: int
     offloadable: bool
+    recomputable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +138,26 @@ def estimate_op_s(node: fx.Node) -> float:
         flops = 2.0 * (out_b / max(val.element_size(), 1)) * k
         return max(flops / FLOPS_PER_S, (in_b + out_b) / BYTES_PER_S)
     return (in_b + out_b) / BYTES_PER_S
+
+
+def is_random(node: fx.Node) -> bool:
+    """The node draws from the RNG (``torch.Tag.nondeterministic_seeded``): re-running it
+    would not give the same numbers."""
+    tags = getattr(node.target, "tags", None) or ()
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def storage_maker(node: fx.Node) -> fx.Node:
+    """The node that made ``node``'s storage: through views to their base, and through a
+    ``getitem`` to the multi-output op it reads."""
+    import operator
+
+    while node.op == "call_function" and node.all_input_nodes:
+        if is_view(node) or node.target is operator.getitem:
+            node = node.all_input_nodes[0]
+        else:
+            break
+    return node
 
 
 def _module_of(node: fx.Node) -> str:
@@ -245,10 +270,17 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
             dense and n.op != "placeholder" and n.name not in user_outputs and base_count[t] == 1
             and not trace.tensors[t].external and bool(bwd_uses) and tensors[t].bytes > 0
         )
+        maker = storage_maker(n)
+        recomputable = (
+            n.op != "placeholder" and maker.op == "call_function" and not is_random(maker)
+            and n.name not in user_outputs and not trace.tensors[t].external and bool(bwd_uses)
+            and tensors[t].bytes > 0 and 0 <= int(first_use[t]) < n_fwd
+        )
         saved.append(SavedTensor(
             name=n.name, bytes=trace.tensors[t].bytes, producer=str(n.target), module=_module_of(n),
             tensor=t, last_fwd_use=max(fwd_uses) if fwd_uses else int(first_use[t]),
             first_bwd_use=min(bwd_uses) if bwd_uses else int(last_use[t]), offloadable=offloadable,
+            recomputable=recomputable,
         ))
     return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace))
 
@@ -281,4 +313,4 @@ def live_curve(trace: Trace) -> np.ndarray:
     return np.cumsum(diff)[:-1]
 
 
-__all__ = ["GraphFacts", "SavedTensor", "graph_facts", "hint_int", "live_curve", "tensor_bytes"]
+__all__ = ["GraphFacts", "SavedTensor", "graph_facts", "hint_int", "is_random", "live_curve", "storage_maker", "tensor_bytes"]

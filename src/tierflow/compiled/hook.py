@@ -4,8 +4,10 @@ AOT autograd traces a joint forward+backward graph and a *partitioner* splits it
 the forward and backward graphs, choosing what the forward saves. :class:`PlanPartitioner`
 is that partitioner: it runs torch's own (``min_cut_rematerialization_partition``) on a
 copy first, to see the saved set torch would choose (:mod:`tierflow.compiled.graph_trace`),
-asks its planner for a plan (:mod:`tierflow.compiled.plan`), partitions the real graph,
-then rewrites the two halves: each offloaded tensor goes through ``tierflow::offload``
+asks its planner for a plan (:mod:`tierflow.compiled.plan`), tags the joint graph's nodes
+of the tensors the plan recomputes ``MUST_RECOMPUTE`` (torch's min-cut honours the tag:
+:func:`tag_recompute`), partitions the real graph, reads back which of them really left
+the saved set, then rewrites the two halves for the offloaded ones: each offloaded tensor goes through ``tierflow::offload``
 after its last forward use (the forward saves the op's token instead of the tensor) and
 comes back through ``tierflow::reload`` before its first backward use
 (:mod:`tierflow.compiled.ops`).
@@ -22,6 +24,7 @@ the front-end falls back to the eager runtime when they do not.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +32,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from .graph_trace import GraphFacts, graph_facts, hinted_order, is_view
+from .graph_trace import GraphFacts, graph_facts, hinted_order, is_random, is_view
 from .plan import GraphPlan
+
+_warned_untagged = False
 
 
 def hook_support() -> str | None:
@@ -65,6 +70,13 @@ class PartitionRecord:
         offloaded: saved tensors rewritten to go through the host tier.
         slots: the back-end slot of each.
         saved_after: bytes the forward saves after the rewrite (tokens count 0).
+        recomputed: names of the saved set torch would have chosen (``facts.saved``)
+            that the real partition left out (torch re-makes them in the backward graph):
+            the plan's recompute names torch honoured, and what it took along with them.
+        saved_count_after: saved tensors of the real partition (before the offload
+            rewrite; recompute may add tensors at its frontier).
+        tags_dropped: partitioning with the recompute tags failed, the graph was
+            partitioned without them.
     """
 
     facts: GraphFacts
@@ -72,6 +84,9 @@ class PartitionRecord:
     offloaded: list[str] = field(default_factory=list)
     slots: dict[str, int] = field(default_factory=dict)
     saved_after: int = 0
+    recomputed: list[str] = field(default_factory=list)
+    saved_count_after: int = 0
+    tags_dropped: bool = False
 
 
 _PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py")
@@ -133,9 +148,15 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         hoist_saved_views(dry_fwd, n_out)
         facts = graph_facts(dry_fwd, dry_bwd, n_out)
         plan = self.decide(facts)
-        fwd, bwd = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        hoist_saved_views(fwd, n_out)
         record = PartitionRecord(facts, plan)
+        fwd, bwd = self._partition(gm, joint_inputs, kwargs, plan, record)
+        hoist_saved_views(fwd, n_out)
+        real = graph_facts(fwd, bwd, n_out)
+        still = {s.name for s in real.saved}
+        # Torch re-makes what the tags ask for and may take more along (a layer norm's
+        # mean and rstd with its output): every name of the unplanned saved set gone.
+        record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
+        record.saved_count_after = len(real.saved)
         if plan.offload:
             self._rewrite(fwd, bwd, n_out, plan, record)
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
@@ -144,6 +165,28 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         )
         self.on_partition(record)
         return fwd, bwd
+
+    def _partition(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], plan: GraphPlan,
+                   record: PartitionRecord) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The real partition, with the plan's recompute tags when it has some.
+
+        The tags go on a copy, so a partition that fails with them (a tag torch's
+        min-cut cannot honour) leaves ``gm`` as it came for the untagged retry."""
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        global _warned_untagged
+        if plan.recompute:
+            tagged = _copy(gm)
+            if tag_recompute(tagged, plan.recompute):
+                try:
+                    return min_cut_rematerialization_partition(tagged, joint_inputs, **kwargs)
+                except Exception as e:  # noqa: BLE001 - any failure: partition without the tags
+                    record.tags_dropped = True
+                    if not _warned_untagged:
+                        _warned_untagged = True
+                        warnings.warn(f"tierflow compiled: partitioning with recompute tags failed ({type(e).__name__}: {e}); "
+                                      "partitioned without them (the plan's recomputes are kept)", RuntimeWarning, stacklevel=3)
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
     def _rewrite(self, fwd: fx.GraphModule, bwd: fx.GraphModule, n_out: int, plan: GraphPlan,
                  record: PartitionRecord) -> None:
@@ -225,6 +268,64 @@ def hoist_saved_views(fwd: fx.GraphModule, n_out: int) -> int:
     return moved
 
 
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The joint graph's backward: every node that reads a tangent, directly or not."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:  # topological: a node's inputs come first
+        if (node.op == "placeholder" and node.name.startswith("tangents")) \
+                or node.meta.get("partitioner_tag") == "is_backward" \
+                or any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _recompute_unit(node: fx.Node) -> list[fx.Node]:
+    """The nodes to tag together for ``node`` to be re-made: it, the views down to their
+    base, and a multi-output op with all its ``getitem`` outputs (torch's partitioner
+    fails on a view recomputed from a saved base, or a half-recomputed tuple)."""
+    import operator
+
+    unit: list[fx.Node] = []
+    while True:
+        unit.append(node)
+        if node.op != "call_function" or not node.all_input_nodes:
+            break
+        if node.target is operator.getitem:
+            maker = node.all_input_nodes[0]
+            unit.append(maker)
+            unit.extend(u for u in maker.users if u.target is operator.getitem)
+            break
+        if not is_view(node):
+            break
+        node = node.all_input_nodes[0]
+    return list(dict.fromkeys(unit))
+
+
+def tag_recompute(gm: fx.GraphModule, names: frozenset[str]) -> list[str]:
+    """Tag the joint graph's nodes of the saved tensors ``names`` ``MUST_RECOMPUTE``;
+    the names tagged.
+
+    A name is left untagged (torch then saves it) when its unit (:func:`_recompute_unit`)
+    holds a graph input, an op that draws from the RNG (``nondeterministic_seeded``:
+    re-running it would draw new numbers), or a node of the backward."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    by_name = {n.name: n for n in gm.graph.nodes}
+    backward = _backward_nodes(gm.graph)
+    done: list[str] = []
+    for name in sorted(names):
+        node = by_name.get(name)
+        if node is None:
+            continue
+        unit = _recompute_unit(node)
+        if any(m.op != "call_function" or m in backward or is_random(m) for m in unit):
+            continue
+        for m in unit:
+            m.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        done.append(name)
+    return done
+
+
 def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
     """The last tensor the backward graph computes before ``first`` (not a view): the
     input that keeps a reload from being scheduled earlier."""
@@ -240,4 +341,4 @@ def _bytes(n: fx.Node) -> int:
     return tensor_bytes(n.meta.get("val"))
 
 
-__all__ = ["PartitionRecord", "PlanPartitioner", "hoist_saved_views", "hook_support"]
+__all__ = ["PartitionRecord", "PlanPartitioner", "hoist_saved_views", "hook_support", "tag_recompute"]
