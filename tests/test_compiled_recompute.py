@@ -249,3 +249,20 @@ def test_attention_and_layer_norm_outputs_are_tagged_whole_and_stay_equal():
     assert not rec.tags_dropped and rec.saved_after < rec.facts.saved_bytes
     multi = [s.name for s in rec.facts.saved if "getitem" in s.name and s.recomputable]  # tuple outputs
     assert multi and set(multi) & set(rec.recomputed)
+
+
+def test_offload_only_plans_recompute_nothing_and_keep_what_cannot_move():
+    facts = facts_of_net()
+    plan = plan_graph(facts, target_bytes=0, min_bytes=0, allow_recompute=False)
+    by_name = {s.name: s for s in facts.saved}
+    assert not plan.recompute and plan.offload
+    assert all(by_name[n].offloadable for n in plan.offload)
+
+
+def test_inductor_plans_offload_only_unless_asked():
+    """Under inductor a recomputed op is not held back to its first use (measured: the
+    peak rose), so recompute is off there by default and on under aot_eager."""
+    m = nn.Linear(4, 4)
+    assert tc.compile(m, backend="inductor").recompute is False
+    assert tc.compile(m, backend="inductor", recompute=True).recompute is True
+    assert tc.compile(m, backend="aot_eager").recompute is True

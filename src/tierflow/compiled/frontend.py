@@ -236,9 +236,10 @@ class CompiledOffload:
     """
 
     def __init__(self, model: torch.nn.Module, budget: Budget, backend: str, device: torch.device,
-                 compile_kwargs: dict[str, Any], headroom: float = 0.1) -> None:
+                 compile_kwargs: dict[str, Any], headroom: float = 0.1, recompute: bool = True) -> None:
         self.budget = budget
         self.headroom = headroom
+        self.recompute = recompute
         self.backend_name = backend
         self.backend = backend_for(device)
         self._moved_at_start = self.backend.snapshot()
@@ -315,7 +316,7 @@ class CompiledOffload:
 
     def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
         facts = with_loss_between(facts)
-        return plan_graph(facts, self._target(facts, report))
+        return plan_graph(facts, self._target(facts, report), allow_recompute=self.recompute)
 
     def _partitioned(self, rec: PartitionRecord, report: GraphReport) -> None:
         self.records.append(rec)
@@ -407,6 +408,7 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     device: str | torch.device | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     headroom: float = 0.1,
+    recompute: bool | None = None,
     **compile_kwargs: Any,
 ) -> CompiledOffload | EagerFallback:
     """``torch.compile(model)`` whose compiled graphs keep or offload each saved activation
@@ -423,6 +425,13 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         headroom: plans aim this share below the budget on the graph's trace, for
             what the trace does not see (the allocator's rounding, the tokens, the
             loss and optimizer between graphs).
+        recompute: let the plan recompute saved tensors (``MUST_RECOMPUTE`` tags)
+            besides offloading them. ``None`` (default): only under ``aot_eager``.
+            NOTE: under inductor a recomputed op runs as soon as its inputs exist, not
+            at its first backward use (nothing holds it back, as the reload's extra
+            input holds a reload), so the measured peak rose where the trace's fell
+            (gated MLP at 30%: 77.1 MiB measured with 12 recomputes against 53.1 with
+            offloads alone; HF GPT-2 at 50%: 94.7 against 77.7).
         compile_kwargs: passed to ``torch.compile`` (``dynamic=``, ``fullgraph=``, ...).
 
     Returns:
@@ -455,7 +464,9 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
         device = p.device if p is not None else torch.device("cpu")
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"tierflow compiled: headroom {headroom} must be in [0, 1)")
-    return CompiledOffload(model, parsed, backend, torch.device(device), compile_kwargs, headroom)
+    if recompute is None:
+        recompute = backend != "inductor"
+    return CompiledOffload(model, parsed, backend, torch.device(device), compile_kwargs, headroom, recompute)
 
 
 __all__ = ["BACKENDS", "Budget", "CallCounter", "CompiledOffload", "EagerFallback", "GraphReport", "compile"]

@@ -107,7 +107,8 @@ def _storages(facts: GraphFacts, min_bytes: int) -> dict[int, list[SavedTensor]]
             and (all(s.recomputable for s in g) or (len(g) == 1 and g[0].offloadable))}
 
 
-def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 << 16) -> GraphPlan:
+def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 << 16, *,
+               allow_recompute: bool = True) -> GraphPlan:
     """Recompute or offload saved tensors until the trace's peak is at most ``target_bytes``
     (see the module docstring for the choice).
 
@@ -115,6 +116,9 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
         facts: the graph as the planner sees it.
         target_bytes: the live bytes to reach; ``None`` keeps everything.
         min_bytes: smaller tensors are not worth a copy's or a recompute's fixed cost.
+        allow_recompute: ``False``: offload only (a storage that cannot be offloaded
+            stays). The front-end passes ``False`` under inductor (see
+            :func:`tierflow.compiled.compile`).
 
     Example:
         >>> plan = plan_graph(rec.facts, target_bytes=64 << 20)  # doctest: +SKIP
@@ -138,7 +142,9 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
         group = candidates.pop(best)
         head = group[0]
         can_offload = len(group) == 1 and head.offloadable
-        can_recompute = all(s.recomputable for s in group)
+        can_recompute = allow_recompute and all(s.recomputable for s in group)
+        if not (can_offload or can_recompute):
+            continue  # stays; the next largest spanning storage is tried
         if can_recompute and (not can_offload or recompute_s(facts, best, stays) < copy_s(head.bytes)):
             recompute.extend(s.name for s in group)
             stays.discard(best)
