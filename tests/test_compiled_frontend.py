@@ -99,6 +99,7 @@ def test_planner_curve_matches_an_independent_recount():
     run = train(planned("30%"), steps=1)[2]
     (rec,) = run.records
     chosen = [s for s in rec.facts.saved if s.name in rec.plan.offload | rec.plan.recompute]
+    chosen += [g for g in rec.facts.grads if g.name in rec.plan.offload_grads]
     assert int(curve_with(rec.facts, chosen).max()) == rec.plan.predicted_peak_bytes
     assert plan_graph(rec.facts, None).offload == frozenset()
 

@@ -266,3 +266,62 @@ def test_inductor_plans_offload_only_unless_asked():
     assert tc.compile(m, backend="inductor").recompute is False
     assert tc.compile(m, backend="inductor", recompute=True).recompute is True
     assert tc.compile(m, backend="aot_eager").recompute is True
+
+
+class _Stack(nn.Module):
+    """Residual MLP blocks: the first blocks' gradients are made long before the backward
+    graph returns them."""
+
+    def __init__(self, d: int = 64, h: int = 512, n: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+                                    for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+def _train_stack(budget: str | float | None) -> tuple[list[float], list[torch.Tensor], tc.CompiledOffload | None]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = None
+    if budget is None:
+        fn = torch.compile(model, backend="aot_eager")
+    else:
+        run = tc.compile(model, budget=budget, backend="aot_eager", headroom=0.0, recompute=False)
+        fn = run.model
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        loss = fn(torch.randn(4, 32, 64, generator=gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()], run
+
+
+def test_gradients_leave_inside_the_backward_graph_and_training_stays_bitwise():
+    want = _train_stack(None)
+    got = _train_stack(0.05)
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    run = got[2]
+    (rec,) = run.records
+    assert rec.plan.offload_grads and rec.grads_offloaded
+    assert set(rec.grads_offloaded) <= rec.plan.offload_grads
+    assert run.graphs[0].grads_offloaded == len(rec.grads_offloaded) > 0
+    moved = [g for g in rec.facts.grads if g.name in rec.plan.offload_grads]
+    assert all(g.offloadable and g.last_fwd_use < g.first_bwd_use - 1 for g in moved)
+
+
+def test_gradients_move_only_when_saved_tensors_cannot_reach_the_target():
+    facts = facts_of_net()
+    assert not plan_graph(facts, target_bytes=facts.peak_bytes - 1, min_bytes=0).offload_grads
+    assert not plan_graph(facts, target_bytes=0, min_bytes=0, move_grads=False).offload_grads
+    a = GraphPlan(offload=frozenset({"x"}))
+    assert a.key() != GraphPlan(offload=frozenset({"x"}), offload_grads=frozenset({"g"})).key()

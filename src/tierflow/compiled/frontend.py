@@ -112,6 +112,8 @@ class GraphReport:
         made_saved_bytes: bytes of the saved tensors the forward makes (what a later
             graph of the step runs beside; the graph's inputs saved, parameters among
             them, are there before the step and not counted).
+        grads_offloaded, grads_offloaded_bytes: gradients the backward graph copies to
+            the host tier after their last use and back before it returns them.
         predicted_step_s: the simulator's time of the graph's forward and backward with
             the plan (:func:`tierflow.compiled.predict.predict_graph`, CPU figures).
     """
@@ -130,6 +132,8 @@ class GraphReport:
     calls: int = 0
     predicted_step_s: float | None = None
     made_saved_bytes: int = 0
+    grads_offloaded: int = 0
+    grads_offloaded_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -341,7 +345,10 @@ class CompiledOffload:
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
         self._front = {"reserve": []}
-        self._reserve_for([[rec.slots[n], sizes[n]] for n in rec.offloaded])
+        self._reserve_for([[rec.slots[n], sizes[n]] for n in rec.offloaded]
+                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()])
+        report.grads_offloaded = len(rec.grads_offloaded)
+        report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())
 
     def __enter__(self) -> CompiledOffload:
         return self

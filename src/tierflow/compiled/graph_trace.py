@@ -71,12 +71,17 @@ class GraphFacts:
         n_fwd: forward ops in the trace.
         curve: bytes live at each op above the step's start (parameters and inputs
             left out, as they are there before the step).
+        grads: the backward graph's outputs (the inputs' gradients) as a plan may move
+            them: ``last_fwd_use`` is their last use in the backward graph,
+            ``first_bwd_use`` the graph's last op (they come back to the device before
+            the graph returns them); ``offloadable`` when dense and returned once.
     """
 
     trace: Trace
     saved: tuple[SavedTensor, ...]
     n_fwd: int
     curve: np.ndarray
+    grads: tuple[SavedTensor, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -282,7 +287,25 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
             first_bwd_use=min(bwd_uses) if bwd_uses else int(last_use[t]), offloadable=offloadable,
             recomputable=recomputable,
         ))
-    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace))
+    # A compiled backward graph returns every gradient when it ends: inside it, a
+    # gradient made early is held to the end unless the plan moves it.
+    grads: list[SavedTensor] = []
+    returned: dict[int, int] = {}
+    for n in bwd_out:
+        if ("bwd", n.name) in tid:
+            returned[tid[("bwd", n.name)]] = returned.get(tid[("bwd", n.name)], 0) + 1
+    for n in bwd_out:
+        t = tid.get(("bwd", n.name))
+        if t is None or n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        uses = uses_by_tensor.get(t, [])
+        movable = (returned[t] == 1 and trace.tensors[t].kind == "gradient" and bool(uses)
+                   and hinted_order(n.meta["val"]) is not None and trace.tensors[t].bytes > 0)
+        grads.append(SavedTensor(
+            name=n.name, bytes=trace.tensors[t].bytes, producer=str(n.target), module=_module_of(n),
+            tensor=t, last_fwd_use=max(uses) if uses else last, first_bwd_use=last, offloadable=movable,
+        ))
+    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads))
 
 
 def hinted_order(val: torch.Tensor) -> tuple[int, ...] | None:

@@ -75,6 +75,8 @@ class PartitionRecord:
             the plan's recompute names torch honoured, and what it took along with them.
         saved_count_after: saved tensors of the real partition (before the offload
             rewrite; recompute may add tensors at its frontier).
+        grads_offloaded: gradients rewritten to go through the host tier inside the
+            backward graph: their slot and bytes.
         tags_dropped: partitioning with the recompute tags failed, the graph was
             partitioned without them.
     """
@@ -87,6 +89,7 @@ class PartitionRecord:
     recomputed: list[str] = field(default_factory=list)
     saved_count_after: int = 0
     tags_dropped: bool = False
+    grads_offloaded: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 _PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py")
@@ -159,6 +162,12 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         record.saved_count_after = len(real.saved)
         if plan.offload:
             self._rewrite(fwd, bwd, n_out, plan, record)
+        if plan.offload_grads:
+            from . import ops  # noqa: F401 - registers tierflow::offload and tierflow::reload
+
+            _rewrite_grads(bwd, plan.offload_grads, self.slot_base, record)
+            bwd.graph.lint()
+            bwd.recompile()
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
         record.saved_after = sum(
             _bytes(n) for n in out[n_out:] if isinstance(n, fx.Node) and n.target is not torch.ops.tierflow.offload.default
@@ -324,6 +333,52 @@ def tag_recompute(gm: fx.GraphModule, names: frozenset[str]) -> list[str]:
             m.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         done.append(name)
     return done
+
+
+GRAD_SLOTS = 1 << 19  # a graph's gradient slots start here within its slot range
+
+
+def _rewrite_grads(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, record: PartitionRecord) -> None:
+    """Each named gradient goes to the host tier after its storage's last reader in the
+    backward graph and comes back just before the graph returns it.
+
+    A compiled backward graph returns all gradients when it ends, so a hook outside it
+    (a post-accumulate-grad hook) cannot free one earlier: this is the only place a
+    gradient made early in the backward can leave the device before the graph ends."""
+    output = bwd.graph.find_nodes(op="output")[0]
+    outs = list(output.args[0])
+    # the last tensor the graph computes: every reload waits for it (else inductor
+    # would schedule the reload right after the copy out)
+    after = _sequencer(bwd, output, {n: k for k, n in enumerate(bwd.graph.nodes)})
+    done: set[str] = set()
+    for i, g in enumerate(outs):
+        if not isinstance(g, fx.Node) or g.name not in names or g.name in done or g.op != "call_function":
+            continue
+        val = g.meta.get("val")
+        order = hinted_order(val) if isinstance(val, torch.Tensor) else None
+        if order is None:
+            continue
+        pos = {n: k for k, n in enumerate(bwd.graph.nodes)}
+        chain, n = [g], g  # the node and the views it comes from share its storage
+        while is_view(n) and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+            chain.append(n)
+        readers = [u for c in chain for u in c.users if u.op != "output" and u not in chain]
+        last = max([g, *readers], key=lambda u: pos[u])
+        if after is None or pos[after] <= pos[last]:
+            continue  # nothing runs between its last reader and the return: no gap
+        slot = slot_base + GRAD_SLOTS + i
+        with bwd.graph.inserting_after(last):
+            tok = bwd.graph.call_function(torch.ops.tierflow.offload.default, (g, slot))
+        tok.meta["val"] = _fake(torch.ops.tierflow.offload.default, val, slot)
+        args = (tok, after, list(order), val.dtype, val.device)
+        with bwd.graph.inserting_before(output):
+            back = bwd.graph.call_function(torch.ops.tierflow.reload.default, args)
+        back.meta["val"] = _fake(torch.ops.tierflow.reload.default, tok.meta["val"], after.meta["val"], *args[2:])
+        outs[i] = back
+        done.add(g.name)
+        record.grads_offloaded[g.name] = (slot, _bytes(g))
+    output.args = (tuple(outs),)
 
 
 def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:

@@ -41,6 +41,8 @@ class GraphPlan:
             peak is not saved for backward, or can be neither offloaded nor recomputed).
         recompute: names of saved tensors torch's partitioner is to re-make in the
             backward graph instead of saving.
+        offload_grads: gradients (the backward graph's outputs) copied to the host
+            tier after their last use in the graph and back just before it returns.
     """
 
     offload: frozenset[str] = frozenset()
@@ -49,10 +51,12 @@ class GraphPlan:
     unreachable: bool = False
     slots: dict[str, int] = field(default_factory=dict, compare=False)
     recompute: frozenset[str] = frozenset()
+    offload_grads: frozenset[str] = frozenset()
 
     def key(self) -> str:
         """A digest that changes exactly when the plan does (for torch's caches)."""
         text = ",".join(sorted(self.offload)) + "|recompute:" + ",".join(sorted(self.recompute))
+        text += "|grads:" + ",".join(sorted(self.offload_grads))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -108,7 +112,7 @@ def _storages(facts: GraphFacts, min_bytes: int) -> dict[int, list[SavedTensor]]
 
 
 def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 << 16, *,
-               allow_recompute: bool = True) -> GraphPlan:
+               allow_recompute: bool = True, move_grads: bool = True) -> GraphPlan:
     """Recompute or offload saved tensors until the trace's peak is at most ``target_bytes``
     (see the module docstring for the choice).
 
@@ -119,6 +123,9 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
         allow_recompute: ``False``: offload only (a storage that cannot be offloaded
             stays). The front-end passes ``False`` under inductor (see
             :func:`tierflow.compiled.compile`).
+        move_grads: when no saved storage spans the peak (it is late in the backward
+            graph, where the gradients made so far are held), move gradients to the
+            host tier inside the graph, largest first.
 
     Example:
         >>> plan = plan_graph(rec.facts, target_bytes=64 << 20)  # doctest: +SKIP
@@ -132,12 +139,24 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
     recompute: list[str] = []
     curve = facts.curve.copy()
     unreachable = False
+    # NOTE: gradients after saved tensors: every moved gradient comes back in the
+    # backward graph's last ops, where reloads cannot overlap anything.
+    grads = [g for g in facts.grads if move_grads and g.offloadable and g.bytes >= min_bytes
+             and g.first_bwd_use - g.last_fwd_use > 1]
+    moved_grads: list[str] = []
     while len(curve) and curve.max() > target_bytes:
         peak_op = int(curve.argmax())
         spanning = [t for t, g in candidates.items() if g[0].last_fwd_use < peak_op < g[0].first_bwd_use]
         if not spanning:
-            unreachable = True
-            break
+            made = [g for g in grads if g.last_fwd_use < peak_op < g.first_bwd_use]
+            if not made:
+                unreachable = True
+                break
+            g = max(made, key=lambda g: (g.bytes, g.name))
+            grads.remove(g)
+            moved_grads.append(g.name)
+            curve[g.last_fwd_use + 1 : g.first_bwd_use] -= g.bytes
+            continue
         best = max(spanning, key=lambda t: (candidates[t][0].bytes, candidates[t][0].name))
         group = candidates.pop(best)
         head = group[0]
@@ -153,4 +172,5 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
         curve[head.last_fwd_use + 1 : head.first_bwd_use] -= head.bytes
     return GraphPlan(offload=frozenset(offload), target_bytes=int(target_bytes),
                      predicted_peak_bytes=int(curve.max()) if len(curve) else 0,
-                     unreachable=unreachable, recompute=frozenset(recompute))
+                     unreachable=unreachable, recompute=frozenset(recompute),
+                     offload_grads=frozenset(moved_grads))
