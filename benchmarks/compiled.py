@@ -184,25 +184,29 @@ def own_code(m: nn.Module) -> nn.Module:
     return m
 
 
-def make_arms(w: Workload, shares: list[float], ambs: list[float], headroom: float = 0.1) -> list[Callable[[], Arm]]:
-    """One maker per arm (each model copy with its own forward code: :func:`own_code`)."""
+def fresh(w: Workload) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A copy of the workload's model with its own forward code (:func:`own_code`) and
+    its optimizer."""
+    m = own_code(copy.deepcopy(w.model))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
 
-    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
-        m = own_code(copy.deepcopy(w.model))
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+
+def make_arms(w: Workload, shares: list[float | None], ambs: list[float], headroom: float = 0.1) -> list[Callable[[], Arm]]:
+    """One maker per arm (each model copy with its own forward code: :func:`own_code`);
+    a share of ``None`` is tierflow planning nothing."""
 
     def plain() -> Arm:
-        m, o = fresh()
+        m, o = fresh(w)
         counter = tc.CallCounter("inductor")
         return Arm("plain", m, torch.compile(m, backend=counter, **w.compile_kwargs), o, counter)
 
-    def tierflow_arm(s: float) -> Arm:
-        m, o = fresh()
+    def tierflow_arm(s: float | None) -> Arm:
+        m, o = fresh(w)
         run = tc.compile(m, budget=s, backend="inductor", headroom=headroom, **w.compile_kwargs)
-        return Arm(f"tierflow {s:.0%}", m, run.model, o, run)
+        return Arm(f"tierflow {'none' if s is None else f'{s:.0%}'}", m, run.model, o, run)
 
     def amb(b: float) -> Arm:
-        m, o = fresh()
+        m, o = fresh(w)
         counter = tc.CallCounter("inductor")
         arm = Arm(f"amb {b}", m, torch.compile(m, backend=counter, **w.compile_kwargs), o, counter)
         arm.first_call = lambda: torch._functorch.config.patch(activation_memory_budget=b)

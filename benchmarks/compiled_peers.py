@@ -34,7 +34,6 @@ their simulated peak beside the arm's measured one.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 from collections.abc import Callable
@@ -46,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tierflow.compiled as tc  # noqa: E402
-from compiled import Arm, Workload, own_code, prepare_arm, run_models, timed_round, workload  # noqa: E402
+from compiled import Arm, Workload, fresh, make_arms, prepare_arm, run_models, timed_round, workload  # noqa: E402
 from tierflow.compiled.predict import cpu_hardware, predict_step, step_trace  # noqa: E402
 
 AMBS = "1.0,0.8,0.6,0.4,0.2,0.1"
@@ -61,33 +60,15 @@ def mark_all(graph: torch.fx.Graph) -> None:
 
 
 def arm_makers(w: Workload, shares: list[float], ambs: list[float], headroom: float) -> list[Callable[[], Arm]]:
-    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        m = own_code(copy.deepcopy(w.model))
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
-
-    def plain() -> Arm:
-        m, o = fresh()
-        counter = tc.CallCounter("inductor")
-        return Arm("plain", m, torch.compile(m, backend=counter, **w.compile_kwargs), o, counter)
-
-    def tierflow_arm(s: float | None) -> Arm:
-        m, o = fresh()
-        run = tc.compile(m, budget=s, backend="inductor", headroom=headroom, **w.compile_kwargs)
-        return Arm(f"tierflow {'none' if s is None else f'{s:.0%}'}", m, run.model, o, run)
-
-    def amb(b: float) -> Arm:
-        m, o = fresh()
-        counter = tc.CallCounter("inductor")
-        arm = Arm(f"amb {b}", m, torch.compile(m, backend=counter, **w.compile_kwargs), o, counter)
-        arm.first_call = lambda: torch._functorch.config.patch(activation_memory_budget=b)
-        return arm
+    """``benchmarks/compiled.py``'s arms (with tierflow planning nothing beside its
+    shares), then torch's activation offloading with every saved tensor marked."""
 
     def offloading() -> Arm:
         import contextlib
 
         import torch._inductor.config as inductor_config
 
-        m, o = fresh()
+        m, o = fresh(w)
         counter = tc.CallCounter("inductor")
         arm = Arm("offloading (all marked)", m, torch.compile(m, backend=counter, **w.compile_kwargs), o, counter)
 
@@ -101,8 +82,7 @@ def arm_makers(w: Workload, shares: list[float], ambs: list[float], headroom: fl
         arm.first_call = patched
         return arm
 
-    return ([plain, lambda: tierflow_arm(None)] + [lambda s=s: tierflow_arm(s) for s in shares]
-            + [lambda b=b: amb(b) for b in ambs] + [offloading])
+    return make_arms(w, [None, *shares], ambs, headroom) + [offloading]
 
 
 def graph_pairs(run: Any) -> list[tuple[Any, Any]]:

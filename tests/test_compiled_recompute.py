@@ -45,13 +45,26 @@ def recompute_all(run: tc.CompiledOffload, with_inputs: bool = False) -> None:
     run._decide = decide
 
 
+def fit(model: nn.Module, fn, inputs, loss=lambda y: y, lr: float = 1e-2):
+    """Losses and final parameters of AdamW steps of ``model`` called through ``fn``, one
+    step an input."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for x in inputs:
+        out = loss(fn(x))
+        out.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.item())
+    return losses, [q.detach().clone() for q in model.parameters()]
+
+
 def train(p: float = 0.0, planned: bool = True, force: bool = True, steps: int = 3, d: int = 32,
           budget: str = "50%"):
     """Losses, final parameters and the handle of ``steps`` AdamW steps of a seeded Net."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Net(p=p, d=d)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if planned:
         run = tc.compile(model, budget=budget, backend="aot_eager")
         if force:
@@ -61,15 +74,8 @@ def train(p: float = 0.0, planned: bool = True, force: bool = True, steps: int =
         run = None
         fn = torch.compile(model, backend="aot_eager")
     gen = torch.Generator().manual_seed(1)
-    losses = []
     torch.manual_seed(2)  # the dropout's draws: the same sequence in both runs
-    for _ in range(steps):
-        loss = fn(torch.randn(4, 64, d, generator=gen))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, [q.detach().clone() for q in model.parameters()], run
+    return *fit(model, fn, (torch.randn(4, 64, d, generator=gen) for _ in range(steps))), run
 
 
 def same(a, b) -> bool:
@@ -193,7 +199,6 @@ def test_recompute_under_dynamic_shapes_adds_no_recompile_and_stays_equal():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Net()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if planned:
             handle = tc.compile(model, budget="50%", backend="aot_eager", dynamic=True)
             recompute_all(handle)
@@ -202,14 +207,7 @@ def test_recompute_under_dynamic_shapes_adds_no_recompile_and_stays_equal():
             handle = tc.CallCounter("aot_eager")
             fn = torch.compile(model, backend=handle, dynamic=True)
         gen = torch.Generator().manual_seed(1)
-        losses = []
-        for seq in (48, 80, 112):
-            loss = fn(torch.randn(4, seq, 32, generator=gen))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses, [q.detach().clone() for q in model.parameters()], handle
+        return *fit(model, fn, (torch.randn(4, seq, 32, generator=gen) for seq in (48, 80, 112))), handle
 
     ref, got = run(False), run(True)
     assert same(ref, got)
@@ -225,7 +223,6 @@ def test_attention_and_layer_norm_outputs_are_tagged_whole_and_stay_equal():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         handle = None
         if planned:
             handle = tc.compile(model, budget="50%", backend="aot_eager")
@@ -234,14 +231,8 @@ def test_attention_and_layer_norm_outputs_are_tagged_whole_and_stay_equal():
         else:
             fn = torch.compile(model, backend="aot_eager")
         gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(2):
-            loss = fn(torch.randn(4, 32, 32, generator=gen)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses, [q.detach().clone() for q in model.parameters()], handle
+        inputs = (torch.randn(4, 32, 32, generator=gen) for _ in range(2))
+        return *fit(model, fn, inputs, loss=lambda y: y.pow(2).mean()), handle
 
     ref, got = run(False), run(True)
     assert same(ref, got)
@@ -287,7 +278,6 @@ def _train_stack(budget: str | float | None) -> tuple[list[float], list[torch.Te
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Stack()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run = None
     if budget is None:
         fn = torch.compile(model, backend="aot_eager")
@@ -295,14 +285,7 @@ def _train_stack(budget: str | float | None) -> tuple[list[float], list[torch.Te
         run = tc.compile(model, budget=budget, backend="aot_eager", headroom=0.0, recompute=False)
         fn = run.model
     gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(2):
-        loss = fn(torch.randn(4, 32, 64, generator=gen))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()], run
+    return *fit(model, fn, (torch.randn(4, 32, 64, generator=gen) for _ in range(2)), lr=1e-3), run
 
 
 def test_gradients_leave_inside_the_backward_graph_and_training_stays_bitwise():

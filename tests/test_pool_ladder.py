@@ -64,6 +64,23 @@ def greedy_start(red):
     return best_fit(red.lower, red.upper, red.size, np.lexsort((np.arange(len(red)), red.lower, -red.size)))
 
 
+def check_decision_against_the_optimum(p, red, delta: int, variant: Variant) -> None:
+    """Decide ``red`` at its exhaustive optimum's capacity shifted by ``delta`` with
+    ``variant``: a placement must be valid and under the cap, a refusal must be true."""
+    opt = brute_optimum(p)
+    if not len(red):
+        return
+    cap = max(1, opt // red.scale + delta)
+    a = decide_cpsat(red, cap, variant, det_time=1.0, deadline=float("inf"))
+    # the reduced problem's optimum is opt / scale when something overlaps at the peak;
+    # set-aside buffers can only make the whole optimum larger than the kept part's
+    if a.status == FEASIBLE:
+        assert red.peak(a.offsets) <= cap
+        assert pool.validate(p, red.expand(a.offsets)).valid
+    if a.status == INFEASIBLE:
+        assert cap * red.scale < opt
+
+
 @settings(max_examples=25, deadline=None)
 @given(small_problems())
 def test_ladder_answers_are_valid_and_proofs_true(p):
@@ -87,34 +104,14 @@ def test_ladder_answers_are_valid_and_proofs_true(p):
 @given(small_problems(), st.integers(-2, 2))
 def test_decision_matches_the_exhaustive_optimum(p, delta):
     red = reduce(p)
-    opt = brute_optimum(p)
-    if not len(red):
-        return
-    cap = max(1, opt // red.scale + delta)
-    a = decide_cpsat(red, cap, Variant("t", hint=False), det_time=1.0, deadline=float("inf"))
-    # the reduced problem's optimum is opt / scale when something overlaps at the peak;
-    # set-aside buffers can only make the whole optimum larger than the kept part's
-    if a.status == FEASIBLE:
-        assert red.peak(a.offsets) <= cap
-        assert pool.validate(p, red.expand(a.offsets)).valid
-    if a.status == INFEASIBLE:
-        assert cap * red.scale < opt
+    check_decision_against_the_optimum(p, red, delta, Variant("t", hint=False))
 
 
 @settings(max_examples=25, deadline=None)
 @given(small_problems(), st.integers(-1, 1), st.integers(0, 7))
 def test_bottom_up_decision_matches_the_exhaustive_optimum(p, delta, k):
     red = reduce(p)
-    opt = brute_optimum(p)
-    if not len(red):
-        return
-    cap = max(1, opt // red.scale + delta)
-    a = decide_cpsat(red, cap, Variant("bu", hint=False, fixed=True, order=k), det_time=1.0, deadline=float("inf"))
-    if a.status == FEASIBLE:
-        assert red.peak(a.offsets) <= cap
-        assert pool.validate(p, red.expand(a.offsets)).valid
-    if a.status == INFEASIBLE:
-        assert cap * red.scale < opt
+    check_decision_against_the_optimum(p, red, delta, Variant("bu", hint=False, fixed=True, order=k))
 
 
 @settings(max_examples=25, deadline=None)

@@ -266,12 +266,12 @@ class CompiledOffload:
             slot_base=report.index * SLOTS_PER_GRAPH,
         )
         self._pending: list[Callable[[], None]] = []
-        self._front: dict[str, Any] = {}
+        self._reserved: list[list[int]] = []  # (slot, bytes) of this graph's host buffers
         partitioned = len(self.records)
         fn = _compile_graph(gm, example_inputs, self.backend_name, partitioner)
         key = graph_key(gm, example_inputs, partitioner.uuid())
         if len(self.records) > partitioned:
-            self._memo.save(key, {"report": report.as_dict(), **self._front})
+            self._memo.save(key, {"report": report.as_dict(), "reserve": self._reserved})
         else:  # torch's cache gave the compiled code: the partitioner did not run
             self._replay(self._memo.load(key), report)
         return _Counted(fn, report, self._pending)
@@ -285,14 +285,13 @@ class CompiledOffload:
         for k, v in memo["report"].items():
             if k not in ("index", "calls"):
                 setattr(report, k, v)
-        self._front = {"reserve": []}
         self._reserve_for(memo.get("reserve", []))
 
     def _reserve_for(self, reserve: list[list[int]]) -> None:
         """Host buffers for one graph's offloads, made before its first call."""
         for slot, nbytes in reserve:
             self._pending.append(lambda slot=slot, nbytes=nbytes: self.backend.reserve(slot, nbytes))
-            self._front["reserve"].append([slot, nbytes])
+            self._reserved.append([slot, nbytes])
 
     def _carried(self, report: GraphReport) -> tuple[int, int]:
         """Bytes earlier graphs keep saved, and would save unplanned, while ``report``'s runs."""
@@ -344,7 +343,6 @@ class CompiledOffload:
         except Exception as e:  # noqa: BLE001 - a prediction must never stop a compile
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
-        self._front = {"reserve": []}
         self._reserve_for([[rec.slots[n], sizes[n]] for n in rec.offloaded]
                           + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()])
         report.grads_offloaded = len(rec.grads_offloaded)

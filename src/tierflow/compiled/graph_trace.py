@@ -15,6 +15,7 @@ against copies; the bytes are what the budget is checked against.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -290,10 +291,7 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
     # A compiled backward graph returns every gradient when it ends: inside it, a
     # gradient made early is held to the end unless the plan moves it.
     grads: list[SavedTensor] = []
-    returned: dict[int, int] = {}
-    for n in bwd_out:
-        if ("bwd", n.name) in tid:
-            returned[tid[("bwd", n.name)]] = returned.get(tid[("bwd", n.name)], 0) + 1
+    returned = Counter(tid[("bwd", n.name)] for n in bwd_out if ("bwd", n.name) in tid)
     for n in bwd_out:
         t = tid.get(("bwd", n.name))
         if t is None or n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):

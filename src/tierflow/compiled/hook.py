@@ -160,14 +160,8 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         # mean and rstd with its output): every name of the unplanned saved set gone.
         record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
         record.saved_count_after = len(real.saved)
-        if plan.offload:
+        if plan.offload or plan.offload_grads:
             self._rewrite(fwd, bwd, n_out, plan, record)
-        if plan.offload_grads:
-            from . import ops  # noqa: F401 - registers tierflow::offload and tierflow::reload
-
-            _rewrite_grads(bwd, plan.offload_grads, self.slot_base, record)
-            bwd.graph.lint()
-            bwd.recompile()
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
         record.saved_after = sum(
             _bytes(n) for n in out[n_out:] if isinstance(n, fx.Node) and n.target is not torch.ops.tierflow.offload.default
@@ -220,9 +214,7 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
             users = [u for u in x.users if u.op != "output"]
             last_use = max(users, key=lambda u: position[u]) if users else x
             slot = self.slot_base + i
-            with fwd.graph.inserting_after(last_use):
-                tok = fwd.graph.call_function(torch.ops.tierflow.offload.default, (x, slot))
-            tok.meta["val"] = _fake(torch.ops.tierflow.offload.default, val, slot)
+            tok = _insert_offload(fwd.graph, last_use, x, slot)
             tokens[x.name] = tok
             outs[i] = tok
             p = bwd_placeholders[x.name]
@@ -236,16 +228,15 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
                 fwd.graph.erase_node(tok)
                 del tokens[x.name]
                 continue
-            args = (p, after, list(order), val.dtype, val.device)
-            with bwd.graph.inserting_before(first):
-                back = bwd.graph.call_function(torch.ops.tierflow.reload.default, args)
+            back = _insert_reload(bwd.graph, first, p, tok.meta["val"], after, order, val)
             p.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
             p.meta["val"] = tok.meta["val"]
             p.meta.pop("tensor_meta", None)
-            back.meta["val"] = _fake(torch.ops.tierflow.reload.default, tok.meta["val"], after.meta["val"], *args[2:])
             record.offloaded.append(x.name)
             record.slots[x.name] = slot
         output.args = (tuple(outs),)
+        if plan.offload_grads:
+            _rewrite_grads(bwd, plan.offload_grads, self.slot_base, record)
         fwd.graph.lint()
         bwd.graph.lint()
         fwd.recompile()
@@ -368,17 +359,30 @@ def _rewrite_grads(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, r
         if after is None or pos[after] <= pos[last]:
             continue  # nothing runs between its last reader and the return: no gap
         slot = slot_base + GRAD_SLOTS + i
-        with bwd.graph.inserting_after(last):
-            tok = bwd.graph.call_function(torch.ops.tierflow.offload.default, (g, slot))
-        tok.meta["val"] = _fake(torch.ops.tierflow.offload.default, val, slot)
-        args = (tok, after, list(order), val.dtype, val.device)
-        with bwd.graph.inserting_before(output):
-            back = bwd.graph.call_function(torch.ops.tierflow.reload.default, args)
-        back.meta["val"] = _fake(torch.ops.tierflow.reload.default, tok.meta["val"], after.meta["val"], *args[2:])
-        outs[i] = back
+        tok = _insert_offload(bwd.graph, last, g, slot)
+        outs[i] = _insert_reload(bwd.graph, output, tok, tok.meta["val"], after, order, val)
         done.add(g.name)
         record.grads_offloaded[g.name] = (slot, _bytes(g))
     output.args = (tuple(outs),)
+
+
+def _insert_offload(graph: fx.Graph, after: fx.Node, x: fx.Node, slot: int) -> fx.Node:
+    """A ``tierflow::offload`` of ``x`` into ``slot``, right after ``after``: its token."""
+    with graph.inserting_after(after):
+        tok = graph.call_function(torch.ops.tierflow.offload.default, (x, slot))
+    tok.meta["val"] = _fake(torch.ops.tierflow.offload.default, x.meta["val"], slot)
+    return tok
+
+
+def _insert_reload(graph: fx.Graph, before: fx.Node, token: fx.Node, token_val: Any, after: fx.Node,
+                   order: tuple[int, ...], val: torch.Tensor) -> fx.Node:
+    """A ``tierflow::reload`` of ``token`` right before ``before``, waiting for ``after``
+    (see :func:`_sequencer`), giving back a tensor like ``val`` (dense in ``order``)."""
+    args = (token, after, list(order), val.dtype, val.device)
+    with graph.inserting_before(before):
+        back = graph.call_function(torch.ops.tierflow.reload.default, args)
+    back.meta["val"] = _fake(torch.ops.tierflow.reload.default, token_val, after.meta["val"], *args[2:])
+    return back
 
 
 def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
