@@ -128,7 +128,7 @@ def test_dynamic_shapes_compile_once_without_specializing():
     assert got[2].stats.compiled_offloads > 0
 
 
-@pytest.mark.parametrize("budget", ["0%", "150%", -3, "lots"])
+@pytest.mark.parametrize("budget", ["0%", -3, "lots"])
 def test_bad_budget_is_refused_by_name(budget):
     with pytest.raises(ValueError, match="budget"):
         tc.compile(nn.Linear(2, 2), budget=budget)

@@ -13,7 +13,8 @@ The budget: a share (``"50%"``, ``0.5``) is a share of the compiled model's own 
 its graphs' traces predict it (:mod:`tierflow.compiled.graph_trace`: bytes above the
 step's start, parameters and inputs left out); bytes (an int, ``"2GiB"``) are the same
 limit given directly. With graph breaks, a later graph's target leaves out what the
-earlier graphs keep saved (see :meth:`CompiledOffload._target`).
+earlier graphs keep saved (see :meth:`CompiledOffload._target`). The rules for reading
+``budget=`` are :mod:`tierflow.budget`'s, the same as the eager runtime's and the planner's.
 
 When this torch lacks the partitioner hook, :func:`compile` falls back to the eager
 runtime (:func:`tierflow.offload`) and says so once.
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..budget import Budget
 from ..runtime.backend import backend_for
 from ..runtime.stats import RunStats
 from .graph_trace import GraphFacts
@@ -44,50 +46,6 @@ SLOTS_PER_GRAPH = 1 << 20
 # log-softmax, that one's gradient and the loss's gradient: three times the logits.
 LOSS_WORKING_SET = 3
 _warned_fallback = False
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    """A budget: a share of each graph's predicted peak, or bytes for all graphs."""
-
-    share: float | None = None
-    bytes: int | None = None
-
-    @staticmethod
-    def parse(budget: str | int | float | None) -> Budget:
-        """``"50%"``, ``0.5`` (share), ``2_000_000`` or ``"2GiB"`` (bytes), ``None``.
-
-        Raises:
-            ValueError: a share outside (0, 1], bytes not positive, or an unreadable string.
-        """
-        if budget is None:
-            return Budget()
-        if isinstance(budget, str):
-            text = budget.strip()
-            if text.endswith("%"):
-                try:
-                    share = float(text[:-1]) / 100.0
-                except ValueError:
-                    raise ValueError(f"tierflow compiled: budget {budget!r} is not a percentage") from None
-                if not 0.0 < share <= 1.0:
-                    raise ValueError(f"tierflow compiled: budget {budget!r} must be a share in (0%, 100%]")
-                return Budget(share=share)
-            from ..units import parse_bytes
-
-            try:
-                return Budget.parse(int(parse_bytes(text)))
-            except ValueError as e:
-                raise ValueError(f"tierflow compiled: budget {budget!r} is not a size or share ({e})") from None
-        if isinstance(budget, float) and budget <= 1.0:
-            if not 0.0 < budget <= 1.0:
-                raise ValueError(f"tierflow compiled: budget share {budget} must be in (0, 1]")
-            return Budget(share=budget)
-        if int(budget) <= 0:
-            raise ValueError(f"tierflow compiled: budget {budget} bytes must be positive")
-        return Budget(bytes=int(budget))
-
-    def key(self) -> str:
-        return f"share={self.share}" if self.share is not None else f"bytes={self.bytes}"
 
 
 @dataclass

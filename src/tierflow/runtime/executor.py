@@ -63,11 +63,10 @@ from torch.nn import Parameter
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import PolicyError
+from ..budget import Budget
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
-from ..units import parse_bytes
 from .collectives import InFlight
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
@@ -108,21 +107,9 @@ PolicyArg = str | Callable[[Trace, Hardware, float], Plan]
 
 
 def _budget_spec(budget: str | int | float | None) -> tuple[float | None, float | None]:
-    """``(bytes, share)``: one of them set, or both None for no budget."""
-    if budget is None:
-        return None, None
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        try:
-            share = float(budget.strip()[:-1]) / 100
-        except ValueError:
-            raise PolicyError(f"budget {budget!r}: not a percentage") from None
-        if not 0 < share:
-            raise PolicyError(f"budget {budget!r}: must be positive")
-        return None, share
-    try:
-        return float(parse_bytes(budget)), None
-    except ValueError as e:
-        raise PolicyError(f"budget: {e}") from None
+    """``(bytes, share)``: one of them set, or both None for no budget (rules: :mod:`tierflow.budget`)."""
+    parsed = Budget.parse(budget)
+    return (None if parsed.bytes is None else float(parsed.bytes)), parsed.share
 
 
 _PLAIN_TYPES: dict[tuple, bool] = {}
@@ -1185,7 +1172,8 @@ def offload(
         model: the module, on ``cpu`` or ``cuda``.
         optimizer: its optimizer (``None``: call ``run.end_iteration()`` after each step).
         budget: device bytes the run may use: a size (``"20GiB"``, ``4_000_000``) or a
-            share of the profiled iteration's unconstrained peak (``"30%"``; the profile
+            share of the profiled iteration's unconstrained peak (``"30%"``, ``0.3``; the
+            rules are :mod:`tierflow.budget`'s, shared with the compiled front-end; the profile
             iteration then runs unconstrained). ``None``: no limit (the plan only moves
             what the policy wants moved). A budget below the minimum working set raises
             :class:`BudgetError` before the first optimizer step.
