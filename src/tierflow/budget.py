@@ -85,7 +85,7 @@ class Budget:
     @staticmethod
     def _bytes(size: int, given: object) -> Budget:
         if size <= 0:
-            raise InvalidBudgetError(f"budget {given!r}: a size must be above 0 bytes")
+            raise InvalidBudgetError(f"budget {given!r}: a size must be above 0 bytes (a share is written '50%')")
         return Budget(bytes=int(size))
 
     def key(self) -> str:
