@@ -209,6 +209,7 @@ class CompiledOffload:
         self.records: list[PartitionRecord] = []
         self.compiles = 0
         self._memo = PlanMemo()
+        self._step_times: list[float] = []
         self.model = torch.compile(model, backend=self._compile, **compile_kwargs)
 
     # -- the torch.compile backend ----------------------------------------------------
@@ -314,6 +315,20 @@ class CompiledOffload:
         self.backend.drop_outstanding()
 
     # -- what the run did -------------------------------------------------------------
+    def record_step(self, seconds: float) -> None:
+        """Note one training step's wall time, measured by the caller's loop.
+
+        NOTE: the compiled front-end sees graph calls, not steps (a step may call a graph
+        several times, or call the optimizer outside any graph), so the loop that knows
+        where a step ends reports it; :attr:`stats` then gives ``steps``,
+        ``step_times_s`` and ``step_time_s`` (the median after the first, compiling, step).
+
+        Example::
+
+            t0 = time.perf_counter(); train_step(); run.record_step(time.perf_counter() - t0)
+        """
+        self._step_times.append(float(seconds))
+
     @property
     def calls(self) -> int:
         """Compiled forward calls over all graphs."""
@@ -337,6 +352,11 @@ class CompiledOffload:
         st.compiled_calls = self.calls
         st.compiled_compiles = self.compiles
         st.compiled_offloads = be.offloads
+        times = list(self._step_times)
+        if times:
+            st.steps, st.step_times_s = len(times), times
+            later = sorted(times[1:])
+            st.step_time_s = later[len(later) // 2] if later else times[0]
         return st
 
 
@@ -361,6 +381,10 @@ class EagerFallback:
     @property
     def stats(self) -> RunStats:
         return self.run.stats
+
+    def record_step(self, seconds: float) -> None:
+        """Accepted for :meth:`CompiledOffload.record_step`'s callers; the eager runtime
+        times its own steps, so the figure is not needed."""
 
 
 def compile(  # noqa: A001 - mirrors torch.compile on purpose
