@@ -119,10 +119,12 @@ def workload(name: str, device: torch.device, quick: bool) -> Workload:
     raise SystemExit(f"unknown model {name!r} (mlp, mlp-break, mlp-dynamic, gpt2, gpt2-8l, gpt2-small)")
 
 
-def allocator_peak(step: Callable[[], Any], device: torch.device | None = None) -> int:
+def allocator_peak(step: Callable[[], Any], device: torch.device | None = None,
+                   breakdown: Callable[[str], None] | None = None) -> int:
     """Highest bytes above the step's start: on CUDA ``max_memory_allocated`` over the
     bytes allocated at the start; on the CPU from the allocator's events under
-    ``torch.profiler``."""
+    ``torch.profiler``. ``breakdown`` (CPU only) receives the text of
+    :func:`peak_breakdown.format_breakdown`: what is live at that peak."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -140,6 +142,13 @@ def allocator_peak(step: Callable[[], Any], device: torch.device | None = None) 
     for _, delta in sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree())):
         cur += delta
         peak = max(peak, cur)
+    if breakdown is not None:
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent))  # a script beside this one
+        from peak_breakdown import format_breakdown, peak_breakdown
+
+        breakdown(format_breakdown(peak_breakdown(prof), min_bytes=1 << 20))
     return int(peak)
 
 
@@ -247,8 +256,14 @@ def prepare_arm(make: Callable[[], Arm], w: Workload, args: argparse.Namespace) 
         else:
             a.step(w, i)
     a.compile_s = time.perf_counter() - t0
-    a.peak = allocator_peak(lambda: a.step(w, args.warmup), next(a.model.parameters()).device)
+    show = None
+    if getattr(args, "breakdown", False) and not a.name.startswith("amb"):
+        lines: list[str] = []
+        show = lines.append
+    a.peak = allocator_peak(lambda: a.step(w, args.warmup), next(a.model.parameters()).device, show)
     print(f"  {a.name}: first steps {a.compile_s:.1f} s, peak {a.peak / 2**20:.1f} MiB", flush=True)
+    if show is not None:
+        print("\n".join("    " + line for line in lines[0].splitlines()), flush=True)
     return a
 
 
@@ -359,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared, loaded CPU, more threads than free cores "
                     "makes inductor's OpenMP kernels wait on each other, and step times swing by 5x)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print what is live at each plain/tierflow arm's allocator peak (benchmarks/peak_breakdown.py)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.threads > 0:

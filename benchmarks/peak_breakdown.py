@@ -138,7 +138,9 @@ class _Regions:
         for i, e in enumerate(chain):
             if e.name not in ("CompiledFunction", "CompiledFunctionBackward"):
                 continue
-            graph = next((c.name for c in chain[:i] if c.name.startswith(_GRAPH)), f"call@{e.start_time_ns}")
+            # a graph compiled with torch's FX cache off has no hash ("None"): one region per call
+            graph = next((c.name for c in chain[:i] if c.name.startswith(_GRAPH) and "None" not in c.name),
+                         f"call@{e.start_time_ns}")
             backward = e.name == "CompiledFunctionBackward"
             table = self.bwd if backward else self.fwd
             k = table.setdefault(graph, len(table))

@@ -288,7 +288,9 @@ class CompiledOffload:
         report.saved_bytes = facts.saved_bytes
         report.made_saved_bytes = sum(s.bytes for s in facts.saved if not facts.trace.tensors[s.tensor].external)
         report.offloaded = len(rec.offloaded)
-        report.offloaded_bytes = sum(sizes[n] for n in rec.offloaded)
+        # what each slot moves: a storage several saved views share moves once, as its base
+        moved = {n: rec.slot_bytes.get(n, sizes[n]) for n in rec.offloaded if n in rec.slots}
+        report.offloaded_bytes = sum(moved.values())
         report.recomputed = len(rec.recomputed)
         report.kept = rec.saved_count_after - report.offloaded
         report.predicted_peak_bytes = facts.peak_bytes
@@ -302,7 +304,7 @@ class CompiledOffload:
         except Exception as e:  # noqa: BLE001 - a prediction must never stop a compile
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
-        self._reserve_for([[rec.slots[n], sizes[n]] for n in rec.offloaded]
+        self._reserve_for([[rec.slots[n], nbytes] for n, nbytes in moved.items()]
                           + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()])
         report.grads_offloaded = len(rec.grads_offloaded)
         report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())

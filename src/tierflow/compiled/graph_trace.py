@@ -49,6 +49,10 @@ class SavedTensor:
             a forward op (its storage is not a graph input's), not returned to the caller,
             read by the backward, and its storage not made by a random op (re-running one
             would draw new numbers).
+        group: for a view of a storage that leaves the device only with the other saved
+            views of it (:func:`storage_groups`), the name of the node that made the
+            storage; then ``group_bytes`` are the storage's bytes, ``last_fwd_use`` and
+            ``first_bwd_use`` the group's gap, and ``offloadable`` says the group is.
     """
 
     name: str
@@ -60,6 +64,8 @@ class SavedTensor:
     first_bwd_use: int
     offloadable: bool
     recomputable: bool = False
+    group: str = ""
+    group_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +170,47 @@ def storage_maker(node: fx.Node) -> fx.Node:
         else:
             break
     return node
+
+
+def alias_chain(node: fx.Node, base: fx.Node) -> list[fx.Node] | None:
+    """The nodes from ``base`` (left out) to ``node`` (included), each reading the one
+    before it as its first input; ``None`` when a step reads another node too (a
+    symbolic size: replaying it in the backward graph would need the backward's own)."""
+    chain: list[fx.Node] = []
+    while node is not base:
+        if not node.all_input_nodes or any(a is not node.all_input_nodes[0] for a in node.all_input_nodes):
+            return None
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    return chain[::-1]
+
+
+def storage_groups(outs: list[object], n_out: int) -> dict[fx.Node, list[int]]:
+    """Saved tensors that can leave the device only together, by the dense tensor whose
+    storage they view: the positions in the forward's outputs ``outs`` of each group.
+
+    A group is a storage saved through several views, or through one view that is not
+    dense (attention's q, k and v, slices of one projection's output): no single view's
+    copy would free the storage, and a slice with gaps has no dense order. The storage
+    must be dense, made by a forward op, returned to the caller through no view, and each
+    view must be re-makeable from it by ops that read nothing else (:func:`alias_chain`)."""
+    by_base: dict[fx.Node, list[int]] = {}
+    for i in range(n_out, len(outs)):
+        x = outs[i]
+        if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+            by_base.setdefault(storage_maker(x), []).append(i)
+    returned = {storage_maker(n) for n in outs[:n_out] if isinstance(n, fx.Node)}
+    groups: dict[fx.Node, list[int]] = {}
+    for base, members in by_base.items():
+        xs = [outs[i] for i in members]
+        if len(members) == 1 and (xs[0] is base or hinted_order(xs[0].meta["val"]) is not None):
+            continue  # one dense saved tensor: offloaded as itself
+        val = base.meta.get("val")
+        if (base.op != "call_function" or base in returned or not isinstance(val, torch.Tensor)
+                or hinted_order(val) is None or any(alias_chain(x, base) is None for x in xs)):
+            continue
+        groups[base] = members
+    return groups
 
 
 def _module_of(node: fx.Node) -> str:
@@ -288,6 +335,7 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
             first_bwd_use=min(bwd_uses) if bwd_uses else int(last_use[t]), offloadable=offloadable,
             recomputable=recomputable,
         ))
+    saved = _with_groups(saved, fwd_out, num_fwd_outputs, tid, uses_by_tensor, n_fwd)
     # A compiled backward graph returns every gradient when it ends: inside it, a
     # gradient made early is held to the end unless the plan moves it.
     grads: list[SavedTensor] = []
@@ -304,6 +352,31 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
             tensor=t, last_fwd_use=max(uses) if uses else last, first_bwd_use=last, offloadable=movable,
         ))
     return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads))
+
+
+def _with_groups(saved: list[SavedTensor], fwd_out: list[object], n_out: int, tid: dict[tuple[str, str], int],
+                 uses_by_tensor: dict[int, list[int]], n_fwd: int) -> list[SavedTensor]:
+    """``saved`` with each member of a storage group (:func:`storage_groups`) given its
+    group, the storage's bytes and the group's gap: from the last forward use of the
+    storage or any view of it to the first backward use of any member."""
+    import dataclasses
+
+    by_name = {s.name: k for k, s in enumerate(saved)}
+    out = list(saved)
+    for base, members in storage_groups(fwd_out, n_out).items():
+        names = [fwd_out[i].name for i in members]
+        if any(n not in by_name for n in names) or ("fwd", base.name) not in tid:
+            continue
+        ids = {tid[("fwd", base.name)]} | {saved[by_name[n]].tensor for n in names}
+        fwd_uses = [u for t in ids for u in uses_by_tensor.get(t, []) if u < n_fwd]
+        lo = max(fwd_uses, default=0)
+        hi = min(saved[by_name[n]].first_bwd_use for n in names)
+        for n in names:
+            s = saved[by_name[n]]
+            out[by_name[n]] = dataclasses.replace(
+                s, group=base.name, group_bytes=tensor_bytes(base.meta.get("val")), last_fwd_use=lo, first_bwd_use=hi,
+                offloadable=hi > lo and s.bytes > 0)
+    return out
 
 
 def hinted_order(val: torch.Tensor) -> tuple[int, ...] | None:
@@ -334,4 +407,4 @@ def live_curve(trace: Trace) -> np.ndarray:
     return np.cumsum(diff)[:-1]
 
 
-__all__ = ["GraphFacts", "SavedTensor", "graph_facts", "hint_int", "is_random", "live_curve", "storage_maker", "tensor_bytes"]
+__all__ = ["GraphFacts", "SavedTensor", "alias_chain", "graph_facts", "hint_int", "is_random", "live_curve", "storage_groups", "storage_maker", "tensor_bytes"]

@@ -32,7 +32,16 @@ from typing import Any
 import torch
 from torch import fx
 
-from .graph_trace import GraphFacts, graph_facts, hinted_order, is_random, is_view
+from .graph_trace import (
+    GraphFacts,
+    alias_chain,
+    graph_facts,
+    hinted_order,
+    is_random,
+    is_view,
+    storage_groups,
+    storage_maker,
+)
 from .plan import GraphPlan
 
 _warned_untagged = False
@@ -77,6 +86,10 @@ class PartitionRecord:
             rewrite; recompute may add tensors at its frontier).
         grads_offloaded: gradients rewritten to go through the host tier inside the
             backward graph: their slot and bytes.
+        slot_bytes: bytes a slot moves where they are not its saved tensor's own: a
+            storage several saved views share (attention's q, k and v split from one
+            projection) moves once, as its base, under the first view's name (the
+            other views are in ``offloaded`` but own no slot).
         tags_dropped: partitioning with the recompute tags failed, the graph was
             partitioned without them.
     """
@@ -90,6 +103,7 @@ class PartitionRecord:
     saved_count_after: int = 0
     tags_dropped: bool = False
     grads_offloaded: dict[str, tuple[int, int]] = field(default_factory=dict)
+    slot_bytes: dict[str, int] = field(default_factory=dict)
 
 
 _PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py")
@@ -201,11 +215,16 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         position = {n: i for i, n in enumerate(fwd.graph.nodes)}
         bwd_placeholders = {n.name: n for n in bwd.graph.find_nodes(op="placeholder")}
         tokens: dict[str, fx.Node] = {}
+        grouped = _shared_storages(outs, n_out, plan.offload)
+        for base, members in grouped.items():
+            names = [outs[i].name for i in members]
+            if _offload_storage(fwd, bwd, base, members, outs, self.slot_base, record):
+                tokens.update({n: base for n in names})
         for i in range(n_out, len(outs)):
             x = outs[i]
             if not isinstance(x, fx.Node) or x.name not in plan.offload or x in user_out:
                 continue
-            if x.name in tokens or x.name not in bwd_placeholders:
+            if x.name in tokens or x.name not in bwd_placeholders or any(i in m for m in grouped.values()):
                 continue
             val = x.meta.get("val")
             order = hinted_order(val) if isinstance(val, torch.Tensor) else None
@@ -241,6 +260,60 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         bwd.graph.lint()
         fwd.recompile()
         bwd.recompile()
+
+
+def _shared_storages(outs: list[Any], n_out: int, names: frozenset[str]) -> dict[fx.Node, list[int]]:
+    """The storage groups (:func:`graph_trace.storage_groups`) whose saved views are all
+    in ``names``: no view's copy alone would free the storage."""
+    return {base: members for base, members in storage_groups(outs, n_out).items()
+            if all(outs[i].name in names for i in members)}
+
+
+def _offload_storage(fwd: fx.GraphModule, bwd: fx.GraphModule, base: fx.Node, members: list[int],
+                     outs: list[Any], slot_base: int, record: PartitionRecord) -> bool:
+    """Offload ``base``'s storage once for the saved views ``outs[members]`` of it: the
+    forward copies ``base`` out after the last use of any view of it and saves the token
+    in each view's place; the backward reloads ``base`` before the first use of any of
+    them and re-makes each view from it (the same view ops on a tensor with the same
+    strides: the same elements at the same places). Whether it was done."""
+    xs = [outs[i] for i in members]
+    placeholders = {n.name: n for n in bwd.graph.find_nodes(op="placeholder")}
+    ps = [placeholders.get(x.name) for x in xs]
+    if any(p is None for p in ps):
+        return False
+    bwd_order = {n: k for k, n in enumerate(bwd.graph.nodes)}
+    firsts = [min(p.users, key=lambda u: bwd_order[u]) for p in ps if p.users]
+    if not firsts:
+        return False
+    first = min(firsts, key=lambda u: bwd_order[u])
+    after = _sequencer(bwd, first, bwd_order)
+    if after is None:
+        return False
+    position = {n: k for k, n in enumerate(fwd.graph.nodes)}
+    aliases = [n for n in fwd.graph.nodes if n.op == "call_function" and storage_maker(n) is base]
+    readers = [u for a in aliases for u in a.users if u.op != "output"]
+    last_use = max([base, *aliases, *readers], key=lambda u: position[u])
+    order = hinted_order(base.meta["val"])
+    slot = slot_base + members[0]
+    tok = _insert_offload(fwd.graph, last_use, base, slot)
+    back = _insert_reload(bwd.graph, first, ps[0], tok.meta["val"], after, order, base.meta["val"])
+    for x, p in zip(xs, ps, strict=True):
+        made = back
+        with bwd.graph.inserting_before(first):
+            for c in alias_chain(x, base) or []:
+                args = (made, *c.args[1:])
+                prev = made
+                made = bwd.graph.call_function(c.target, args, dict(c.kwargs))
+                made.meta["val"] = c.target(prev.meta["val"], *c.args[1:], **c.kwargs)
+        p.replace_all_uses_with(made, delete_user_cb=lambda u, back=back: u is not back)
+        p.meta["val"] = tok.meta["val"]
+        p.meta.pop("tensor_meta", None)
+    for i in members:
+        outs[i] = tok
+    record.offloaded.extend(x.name for x in xs)
+    record.slots[xs[0].name] = slot
+    record.slot_bytes[xs[0].name] = _bytes(base)
+    return True
 
 
 def hoist_saved_views(fwd: fx.GraphModule, n_out: int) -> int:

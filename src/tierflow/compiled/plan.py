@@ -37,8 +37,9 @@ class GraphPlan:
         offload: names of saved tensors to copy to the host tier and back.
         target_bytes: the live bytes the plan aims at (``None``: keep everything).
         predicted_peak_bytes: the trace's peak with the plan (above the step's start).
-        unreachable: the target could not be met (what is left on the device at the
-            peak is not saved for backward, or can be neither offloaded nor recomputed).
+        unreachable: the target could not be met at some op (what is left on the device
+            there is not saved for backward, or can be neither offloaded nor
+            recomputed); the plan still brings every other op to the target.
         recompute: names of saved tensors torch's partitioner is to re-make in the
             backward graph instead of saving.
         offload_grads: gradients (the backward graph's outputs) copied to the host
@@ -96,19 +97,40 @@ def curve_with(facts: GraphFacts, offload: list[SavedTensor]) -> np.ndarray:
     the device inside their gaps, once per storage."""
     curve = facts.curve.copy()
     for s in {s.tensor: s for s in offload}.values():
-        if s.first_bwd_use - s.last_fwd_use > 1:
-            curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+        _drop(curve, [s])
     return curve
 
 
-def _storages(facts: GraphFacts, min_bytes: int) -> dict[int, list[SavedTensor]]:
-    """The saved tensors worth planning, by storage (trace tensor id), each with a gap."""
-    groups: dict[int, list[SavedTensor]] = {}
+def unit_bytes(group: list[SavedTensor]) -> int:
+    """Bytes that leave the device when ``group`` (saved tensors of one storage) does."""
+    return group[0].group_bytes if group[0].group else group[0].bytes
+
+
+def unit_offloadable(group: list[SavedTensor]) -> bool:
+    """One copy frees the storage: a single dense saved tensor, or a storage group
+    (:func:`tierflow.compiled.graph_trace.storage_groups`) offloaded as its base."""
+    if group[0].group:
+        return all(s.offloadable for s in group)
+    return len(group) == 1 and group[0].offloadable
+
+
+def _storages(facts: GraphFacts, min_bytes: int) -> dict[int | str, list[SavedTensor]]:
+    """The saved tensors worth planning, by storage (trace tensor id, or the group's
+    base for views that leave together), each with a gap."""
+    groups: dict[int | str, list[SavedTensor]] = {}
     for s in facts.saved:
-        groups.setdefault(s.tensor, []).append(s)
-    return {t: g for t, g in groups.items() if g[0].bytes >= min_bytes
+        groups.setdefault(s.group or s.tensor, []).append(s)
+    return {t: g for t, g in groups.items() if unit_bytes(g) >= min_bytes
             and g[0].first_bwd_use - g[0].last_fwd_use > 1
-            and (all(s.recomputable for s in g) or (len(g) == 1 and g[0].offloadable))}
+            and (all(s.recomputable for s in g) or unit_offloadable(g))}
+
+
+def _drop(curve: np.ndarray, group: list[SavedTensor]) -> None:
+    """Take ``group`` off ``curve`` inside its gap, once per trace tensor."""
+    head = group[0]
+    if head.first_bwd_use - head.last_fwd_use > 1:
+        for s in {s.tensor: s for s in group}.values():
+            curve[head.last_fwd_use + 1 : head.first_bwd_use] -= s.bytes
 
 
 def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 << 16, *,
@@ -144,32 +166,37 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
     grads = [g for g in facts.grads if move_grads and g.offloadable and g.bytes >= min_bytes
              and g.first_bwd_use - g.last_fwd_use > 1]
     moved_grads: list[str] = []
-    while len(curve) and curve.max() > target_bytes:
-        peak_op = int(curve.argmax())
+    # Ops whose excess nothing can lower (the loss's working set between forward and
+    # backward, say): set aside, so that the rest of the curve is still brought to the
+    # target (stopping at the first one left the backward's peak where it was).
+    stuck = np.zeros(len(curve), dtype=bool)
+    while len(curve) and np.where(stuck, 0, curve).max() > target_bytes:
+        peak_op = int(np.where(stuck, np.iinfo(np.int64).min, curve).argmax())
         spanning = [t for t, g in candidates.items() if g[0].last_fwd_use < peak_op < g[0].first_bwd_use]
         if not spanning:
             made = [g for g in grads if g.last_fwd_use < peak_op < g.first_bwd_use]
             if not made:
                 unreachable = True
-                break
+                stuck[peak_op] = True
+                continue
             g = max(made, key=lambda g: (g.bytes, g.name))
             grads.remove(g)
             moved_grads.append(g.name)
             curve[g.last_fwd_use + 1 : g.first_bwd_use] -= g.bytes
             continue
-        best = max(spanning, key=lambda t: (candidates[t][0].bytes, candidates[t][0].name))
+        best = max(spanning, key=lambda t: (unit_bytes(candidates[t]), candidates[t][0].name))
         group = candidates.pop(best)
         head = group[0]
-        can_offload = len(group) == 1 and head.offloadable
+        can_offload = unit_offloadable(group)
         can_recompute = allow_recompute and all(s.recomputable for s in group)
         if not (can_offload or can_recompute):
             continue  # stays; the next largest spanning storage is tried
-        if can_recompute and (not can_offload or recompute_s(facts, best, stays) < copy_s(head.bytes)):
+        if can_recompute and (not can_offload or recompute_s(facts, head.tensor, stays) < copy_s(unit_bytes(group))):
             recompute.extend(s.name for s in group)
-            stays.discard(best)
+            stays.difference_update(s.tensor for s in group)
         else:
-            offload.append(head.name)
-        curve[head.last_fwd_use + 1 : head.first_bwd_use] -= head.bytes
+            offload.extend(s.name for s in group)
+        _drop(curve, group)
     return GraphPlan(offload=frozenset(offload), target_bytes=int(target_bytes),
                      predicted_peak_bytes=int(curve.max()) if len(curve) else 0,
                      unreachable=unreachable, recompute=frozenset(recompute),

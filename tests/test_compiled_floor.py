@@ -1,0 +1,103 @@
+"""What lowers a compiled graph's floor: the plan past an op it cannot lower, and a
+storage several saved views share (attention's q, k, v) offloaded once as its base.
+
+Small models on ``aot_eager`` (the partitioner hook and the graph rewrite are the same
+with inductor), bitwise against plain ``torch.compile``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+
+import tierflow.compiled as tc
+from tierflow.compiled.plan import curve_with, plan_graph
+
+
+class QKVAttention(nn.Module):
+    """Causal self-attention blocks whose q, k and v are slices of one projection (as
+    in GPT-2's ``c_attn``): the partitioner saves three non-dense views of one storage."""
+
+    def __init__(self, d: int = 64, heads: int = 4, n: int = 3) -> None:
+        super().__init__()
+        self.d, self.heads = d, heads
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(n))
+        self.out = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        for qkv, out in zip(self.qkv, self.out, strict=True):
+            q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in qkv(x).split(d, dim=2))
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + out(y.transpose(1, 2).reshape(b, s, d))
+        return x.pow(2).mean()
+
+
+def _train(budget, steps: int = 2):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = QKVAttention()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = None
+    if budget is None:
+        fn = torch.compile(model, backend="aot_eager")
+    else:
+        run = tc.compile(model, budget=budget, backend="aot_eager", headroom=0.0, recompute=False)
+        fn = run.model
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = fn(torch.randn(4, 64, 64, generator=gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()], run
+
+
+def test_qkv_views_are_offloaded_once_as_their_storage_and_training_stays_bitwise():
+    want = _train(None)
+    got = _train("10%")
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    (rec,) = got[2].records
+    groups: dict[str, list[str]] = {}
+    for s in rec.facts.saved:
+        if s.group:
+            groups.setdefault(s.group, []).append(s.name)
+    assert groups, "the partitioner saved no views of a shared storage"
+    moved = [g for g, names in groups.items() if set(names) <= set(rec.offloaded)]
+    assert moved
+    # one slot per storage, moving the base's bytes (three slices of d each: 3x one view)
+    owners = [n for n in rec.slot_bytes if n in rec.offloaded]
+    assert len(owners) == len(moved)
+    sizes = {s.name: s.bytes for s in rec.facts.saved}
+    assert all(rec.slot_bytes[n] == 3 * sizes[n] for n in owners)
+    assert got[2].stats.compiled_offloads > 0
+
+
+def test_a_storage_group_is_planned_whole_or_not_at_all():
+    rec = _train("10%", steps=1)[2].records[0]
+    plan = plan_graph(rec.facts, target_bytes=0, min_bytes=0, allow_recompute=False)
+    for s in rec.facts.saved:
+        if s.group:
+            members = {t.name for t in rec.facts.saved if t.group == s.group}
+            assert members <= plan.offload or not members & plan.offload
+
+
+def test_plan_lowers_the_rest_of_the_curve_past_an_op_it_cannot_lower():
+    facts = _train("10%", steps=1)[2].records[0].facts
+    target = int(0.7 * facts.peak_bytes)
+    assert not plan_graph(facts, target, min_bytes=0, allow_recompute=False).unreachable
+    # a spike at the forward's end that no saved tensor can pay for (a loss's working set)
+    spike = facts.n_fwd - 1
+    curve = facts.curve.copy()
+    curve[spike] += 10 * facts.peak_bytes
+    spiked = dataclasses.replace(facts, curve=curve)
+    plan = plan_graph(spiked, target, min_bytes=0, allow_recompute=False)
+    assert plan.unreachable
+    chosen = [s for s in facts.saved if s.name in plan.offload]
+    rest = np.delete(curve_with(spiked, chosen), spike)
+    assert int(rest.max()) <= target < int(np.delete(curve, spike).max())
