@@ -101,3 +101,96 @@ def test_plan_lowers_the_rest_of_the_curve_past_an_op_it_cannot_lower():
     chosen = [s for s in facts.saved if s.name in plan.offload]
     rest = np.delete(curve_with(spiked, chosen), spike)
     assert int(rest.max()) <= target < int(np.delete(curve, spike).max())
+
+
+class TiedLM(nn.Module):
+    """A language model whose head is its embedding (as GPT-2's): the embedding's
+    gradient is the sum of the head's product and the lookup's, made at the backward's
+    end. It returns logits; the loss is computed outside the compiled graph, so the
+    logits' gradient enters the backward graph as a tangent."""
+
+    def __init__(self, vocab: int = 512, d: int = 32, n: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = h + b(h)
+        # (W h^T)^T: the weight's gradient is then mm(tangent^T, h), made with the lookup's
+        # gradient at the end (GPT-2's head reaches the same form through inductor's passes)
+        return torch.mm(self.emb.weight, h.flatten(0, 1).t()).t()
+
+
+def _fused_partitioner(monkeypatch) -> None:
+    """Partition as for inductor (products sunk to the add they fuse into) on aot_eager,
+    which runs the graph's order as it is: the sunk product then runs at the add."""
+    from tierflow.compiled import hook
+
+    orig = hook.PlanPartitioner.__init__
+
+    def init(self, *a, **k):
+        k["fused_addmm"] = True
+        orig(self, *a, **k)
+
+    monkeypatch.setattr(hook.PlanPartitioner, "__init__", init)
+
+
+def _train_lm(budget, steps: int = 2):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = None
+    if budget is None:
+        fn = torch.compile(model, backend="aot_eager")
+    else:
+        run = tc.compile(model, budget=budget, backend="aot_eager", headroom=0.0, recompute=False)
+        fn = run.model
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 512, (8, 64), generator=gen)
+        loss = nn.functional.cross_entropy(fn(ids), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()], run
+
+
+def test_sunk_product_keeps_the_logits_gradient_until_the_add_and_the_plan_moves_it(monkeypatch):
+    want = _train_lm(None)
+    _fused_partitioner(monkeypatch)
+    got = _train_lm("5%")
+    assert got[0] == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    (rec,) = got[2].records
+    (tangent,) = [t for t in rec.facts.tangents if t.bytes == 8 * 64 * 512 * 4]
+    # it waits from the input's gradient to the embedding's gradient at the end
+    assert tangent.first_bwd_use - tangent.last_fwd_use > 10
+    assert tangent.name in rec.plan.offload_tangents and tangent.name in rec.tangents_offloaded
+    assert got[2].graphs[0].tangents_offloaded == 1
+
+
+def test_sink_moves_the_fused_product_next_to_its_add_and_keeps_the_result():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tierflow.compiled.hook import sink_fused_matmuls
+
+    def f(a, b, c, x):
+        m = torch.mm(a.t(), b)  # made early, used by the last op
+        y = torch.relu(x) * 2 + x.sum()
+        return y, c + m
+
+    args = (torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 8), torch.randn(32, 32))
+    gm = make_fx(f)(*args)
+    want = gm(*args)
+    assert sink_fused_matmuls(gm) == 1
+    nodes = list(gm.graph.nodes)
+    prod = next(n for n in nodes if n.target is torch.ops.aten.mm.default)
+    assert prod.next.target is torch.ops.aten.add.Tensor
+    assert prod.all_input_nodes[0].next is prod  # the transpose view moved along
+    got = gm(*args)
+    assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True))

@@ -82,6 +82,10 @@ class GraphFacts:
             them: ``last_fwd_use`` is their last use in the backward graph,
             ``first_bwd_use`` the graph's last op (they come back to the device before
             the graph returns them); ``offloadable`` when dense and returned once.
+        tangents: the backward graph's inputs that are not saved tensors (the output
+            gradients), where a plan may move them: ``last_fwd_use`` is the use before
+            the longest wait between two uses, ``first_bwd_use`` the use after it
+            (:func:`tangent_split`).
     """
 
     trace: Trace
@@ -89,6 +93,7 @@ class GraphFacts:
     n_fwd: int
     curve: np.ndarray
     grads: tuple[SavedTensor, ...] = ()
+    tangents: tuple[SavedTensor, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -351,7 +356,43 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
             name=n.name, bytes=trace.tensors[t].bytes, producer=str(n.target), module=_module_of(n),
             tensor=t, last_fwd_use=max(uses) if uses else last, first_bwd_use=last, offloadable=movable,
         ))
-    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads))
+    tangents: list[SavedTensor] = []
+    for p in bwd.graph.find_nodes(op="placeholder"):
+        t = tid.get(("bwd", p.name))
+        val = p.meta.get("val")
+        if t is None or p.name in saved_names or not isinstance(val, torch.Tensor) or hinted_order(val) is None \
+                or trace.tensors[t].bytes <= 0 or tangent_split(bwd, p) is None:
+            continue
+        uses = sorted(set(uses_by_tensor.get(t, [])))
+        k = max(range(len(uses) - 1), key=lambda k: uses[k + 1] - uses[k])
+        tangents.append(SavedTensor(name=p.name, bytes=trace.tensors[t].bytes, producer="tangent", module="",
+                                    tensor=t, last_fwd_use=uses[k], first_bwd_use=uses[k + 1], offloadable=True))
+    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads), tuple(tangents))
+
+
+def tangent_split(bwd: fx.GraphModule, p: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """Where backward input ``p`` waits longest between two uses: the last node before
+    the wait that reads it (or a view of it), and the nodes after the wait that do;
+    ``None`` when it is read fewer than twice, returned, or read after the wait through
+    a view made before it that cannot be re-made from ``p`` (:func:`alias_chain`)."""
+    aliases, readers = {p}, []
+    for n in bwd.graph.nodes:
+        if any(a in aliases for a in n.all_input_nodes):
+            if n.op != "call_function":
+                return None  # returned by the graph
+            readers.append(n)
+            if is_view(n) and n.all_input_nodes[0] in aliases:
+                aliases.add(n)
+    if len(readers) < 2:
+        return None
+    order = {n: k for k, n in enumerate(bwd.graph.nodes)}
+    k = max(range(len(readers) - 1), key=lambda k: order[readers[k + 1]] - order[readers[k]])
+    late = readers[k + 1:]
+    late_set = set(late)
+    if any(a in aliases and a is not p and a not in late_set and alias_chain(a, p) is None
+           for n in late for a in n.all_input_nodes):
+        return None
+    return readers[k], late
 
 
 def _with_groups(saved: list[SavedTensor], fwd_out: list[object], n_out: int, tid: dict[tuple[str, str], int],
@@ -407,4 +448,5 @@ def live_curve(trace: Trace) -> np.ndarray:
     return np.cumsum(diff)[:-1]
 
 
-__all__ = ["GraphFacts", "SavedTensor", "alias_chain", "graph_facts", "hint_int", "is_random", "live_curve", "storage_groups", "storage_maker", "tensor_bytes"]
+__all__ = ["GraphFacts", "SavedTensor", "alias_chain", "graph_facts", "hint_int", "is_random", "live_curve", "storage_groups", "storage_maker", "tangent_split",
+           "tensor_bytes"]

@@ -36,11 +36,13 @@ from .graph_trace import (
     GraphFacts,
     alias_chain,
     graph_facts,
+    hint_int,
     hinted_order,
     is_random,
     is_view,
     storage_groups,
     storage_maker,
+    tangent_split,
 )
 from .plan import GraphPlan
 
@@ -86,6 +88,8 @@ class PartitionRecord:
             rewrite; recompute may add tensors at its frontier).
         grads_offloaded: gradients rewritten to go through the host tier inside the
             backward graph: their slot and bytes.
+        tangents_offloaded: backward inputs (output gradients) rewritten to go through
+            the host tier across their longest wait in the backward graph: slot, bytes.
         slot_bytes: bytes a slot moves where they are not its saved tensor's own: a
             storage several saved views share (attention's q, k and v split from one
             projection) moves once, as its base, under the first view's name (the
@@ -104,6 +108,7 @@ class PartitionRecord:
     tags_dropped: bool = False
     grads_offloaded: dict[str, tuple[int, int]] = field(default_factory=dict)
     slot_bytes: dict[str, int] = field(default_factory=dict)
+    tangents_offloaded: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 _PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py")
@@ -132,11 +137,15 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
     """
 
     def __init__(self, decide: Callable[[GraphFacts], GraphPlan], key: str,
-                 on_partition: Callable[[PartitionRecord], None], slot_base: int = 0) -> None:
+                 on_partition: Callable[[PartitionRecord], None], slot_base: int = 0,
+                 fused_addmm: bool = False) -> None:
         self.decide = decide
         self.key = key
         self.on_partition = on_partition
         self.slot_base = slot_base
+        # inductor's backend: its add(mm) -> addmm fusion runs the product at the add
+        # (see sink_fused_matmuls); the trace must see it there
+        self.fused_addmm = fused_addmm
 
     def uuid(self) -> Any:
         """The cache key: the plan's inputs beyond the graph, and this package's code."""
@@ -163,18 +172,22 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         n_out = kwargs["num_fwd_outputs"]
         dry_fwd, dry_bwd = min_cut_rematerialization_partition(_copy(gm), joint_inputs, **kwargs)
         hoist_saved_views(dry_fwd, n_out)
+        if self.fused_addmm:
+            sink_fused_matmuls(dry_bwd)
         facts = graph_facts(dry_fwd, dry_bwd, n_out)
         plan = self.decide(facts)
         record = PartitionRecord(facts, plan)
         fwd, bwd = self._partition(gm, joint_inputs, kwargs, plan, record)
         hoist_saved_views(fwd, n_out)
+        if self.fused_addmm:
+            sink_fused_matmuls(bwd)
         real = graph_facts(fwd, bwd, n_out)
         still = {s.name for s in real.saved}
         # Torch re-makes what the tags ask for and may take more along (a layer norm's
         # mean and rstd with its output): every name of the unplanned saved set gone.
         record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
         record.saved_count_after = len(real.saved)
-        if plan.offload or plan.offload_grads:
+        if plan.offload or plan.offload_grads or plan.offload_tangents:
             self._rewrite(fwd, bwd, n_out, plan, record)
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
         record.saved_after = sum(
@@ -256,6 +269,8 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         output.args = (tuple(outs),)
         if plan.offload_grads:
             _rewrite_grads(bwd, plan.offload_grads, self.slot_base, record)
+        if plan.offload_tangents:
+            _rewrite_tangents(bwd, plan.offload_tangents, self.slot_base, record)
         fwd.graph.lint()
         bwd.graph.lint()
         fwd.recompile()
@@ -298,13 +313,7 @@ def _offload_storage(fwd: fx.GraphModule, bwd: fx.GraphModule, base: fx.Node, me
     tok = _insert_offload(fwd.graph, last_use, base, slot)
     back = _insert_reload(bwd.graph, first, ps[0], tok.meta["val"], after, order, base.meta["val"])
     for x, p in zip(xs, ps, strict=True):
-        made = back
-        with bwd.graph.inserting_before(first):
-            for c in alias_chain(x, base) or []:
-                args = (made, *c.args[1:])
-                prev = made
-                made = bwd.graph.call_function(c.target, args, dict(c.kwargs))
-                made.meta["val"] = c.target(prev.meta["val"], *c.args[1:], **c.kwargs)
+        made = _replay(bwd.graph, alias_chain(x, base) or [], back, first)
         p.replace_all_uses_with(made, delete_user_cb=lambda u, back=back: u is not back)
         p.meta["val"] = tok.meta["val"]
         p.meta.pop("tensor_meta", None)
@@ -440,6 +449,110 @@ def _rewrite_grads(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, r
         done.add(g.name)
         record.grads_offloaded[g.name] = (slot, _bytes(g))
     output.args = (tuple(outs),)
+
+
+TANGENT_SLOTS = 3 << 18  # a graph's slots for backward inputs start here within its slot range
+
+
+def _rewrite_tangents(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, record: PartitionRecord) -> None:
+    """Each named backward input goes to the host tier after its last use before its
+    longest wait (:func:`graph_trace.tangent_split`) and comes back before the first
+    use after it, which then reads the reloaded tensor."""
+    for i, p in enumerate(bwd.graph.find_nodes(op="placeholder")):
+        if p.name not in names:
+            continue
+        split = tangent_split(bwd, p)
+        val = p.meta.get("val")
+        order = hinted_order(val) if isinstance(val, torch.Tensor) else None
+        if split is None or order is None:
+            continue
+        early, late = split
+        pos = {n: k for k, n in enumerate(bwd.graph.nodes)}
+        after = _sequencer(bwd, late[0], pos)
+        if after is None or pos[after] <= pos[early]:
+            continue
+        slot = slot_base + TANGENT_SLOTS + i
+        tok = _insert_offload(bwd.graph, early, p, slot)
+        back = _insert_reload(bwd.graph, late[0], tok, tok.meta["val"], after, order, val)
+        late_set = set(late)
+        remade: dict[fx.Node, fx.Node] = {p: back}
+        for n in late:
+            for a in list(n.all_input_nodes):
+                if a in late_set or (a is not p and storage_maker(a) is not p):
+                    continue
+                if a not in remade:  # a view made before the wait: made again from the reload
+                    remade[a] = _replay(bwd.graph, alias_chain(a, p) or [], back, late[0])
+                n.replace_input_with(a, remade[a])
+        record.tangents_offloaded[p.name] = (slot, _bytes(p))
+
+
+def _replay(graph: fx.Graph, chain: list[fx.Node], base: fx.Node, before: fx.Node) -> fx.Node:
+    """``chain`` (view ops, each reading the one before) made again from ``base``,
+    right before ``before``: the last node made."""
+    made = base
+    with graph.inserting_before(before):
+        for c in chain:
+            prev = made
+            made = graph.call_function(c.target, (made, *c.args[1:]), dict(c.kwargs))
+            made.meta["val"] = c.target(prev.meta["val"], *c.args[1:], **c.kwargs)
+    return made
+
+
+def sink_fused_matmuls(bwd: fx.GraphModule) -> int:
+    """Move each matrix product that inductor will fuse into the add using it (its
+    post-grad ``add(mm(a, b), c) -> addmm(c, a, b)`` pattern) next to that add, with the
+    views only it reads; how many moved.
+
+    The fused product runs where the add is, so its inputs stay live until then (HF
+    GPT-2's tied embedding: the logits' 16 MiB gradient waited to the backward's end
+    for the head's weight gradient). Moving it in the graph changes nothing inductor
+    emits (the same pattern, the same place) and lets the trace see what runs."""
+    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+    moved = 0
+    for node in list(bwd.graph.nodes):
+        if node.op != "call_function" or node.target is not add or node.kwargs or len(node.args) != 2:
+            continue
+        prod = next((a for a in node.args if isinstance(a, fx.Node) and a.target is mm and len(a.users) == 1), None)
+        other = node.args[1] if prod is node.args[0] else node.args[0]
+        if prod is None or not _fusable(prod, other, node):
+            continue
+        if prod.next is not node:
+            node.prepend(prod)
+            moved += 1
+        stack = [prod]
+        while stack:  # views read only by what moved follow it
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a.op == "call_function" and is_view(a) and len(a.users) == 1 and a.next is not n:
+                    n.prepend(a)
+                    stack.append(a)
+    if moved:
+        bwd.graph.lint()
+        bwd.recompile()
+    return moved
+
+
+def _fusable(prod: fx.Node, other: Any, add: fx.Node) -> bool:
+    """Inductor's conditions for fusing ``add(prod, other)`` into an addmm: a tensor
+    ``other`` of the product's dtype that broadcasts to its shape; on a GPU not when
+    every user of the sum is pointwise (inductor then keeps the add to fuse it there)."""
+    if not isinstance(other, fx.Node):
+        return False
+    a, b, c = (n.meta.get("val") for n in (*prod.args[:2], other))
+    if not all(isinstance(v, torch.Tensor) for v in (a, b, c)):
+        return False
+    if not (a.dtype == b.dtype == c.dtype):
+        return False
+    mm_shape = (hint_int(a.shape[0]), hint_int(b.shape[1]))
+    try:
+        if tuple(torch.broadcast_shapes(tuple(hint_int(s) for s in c.shape), mm_shape)) != mm_shape:
+            return False
+    except RuntimeError:
+        return False
+    if c.device.type != "cpu" and add.users and all(
+            u.op == "call_function" and torch.Tag.pointwise in (getattr(u.target, "tags", None) or ()) for u in add.users):
+        return False
+    return True
 
 
 def _insert_offload(graph: fx.Graph, after: fx.Node, x: fx.Node, slot: int) -> fx.Node:
