@@ -72,8 +72,6 @@ class GraphReport:
             them, are there before the step and not counted).
         grads_offloaded, grads_offloaded_bytes: gradients the backward graph copies to
             the host tier after their last use and back before it returns them.
-        tangents_offloaded: output gradients (the backward graph's inputs) it copies to
-            the host tier across their longest wait between two uses.
         predicted_step_s: the simulator's time of the graph's forward and backward with
             the plan (:func:`tierflow.compiled.predict.predict_graph`, CPU figures).
     """
@@ -94,7 +92,6 @@ class GraphReport:
     made_saved_bytes: int = 0
     grads_offloaded: int = 0
     grads_offloaded_bytes: int = 0
-    tangents_offloaded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -309,9 +306,7 @@ class CompiledOffload:
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
         self._reserve_for([[rec.slots[n], nbytes] for n, nbytes in moved.items()]
-                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()]
-                          + [[slot, nbytes] for slot, nbytes in rec.tangents_offloaded.values()])
-        report.tangents_offloaded = len(rec.tangents_offloaded)
+                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()])
         report.grads_offloaded = len(rec.grads_offloaded)
         report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())
 

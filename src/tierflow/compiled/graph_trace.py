@@ -4,8 +4,9 @@ backward halves (as torch's partitioner split them), and the saved set it implie
 The trace is the planner's own format: ops in execution order (the forward graph's
 ``call_function`` nodes, then the backward graph's), tensors with their bytes (symbolic
 sizes read through their hints, never specialized), kinds (``parameter``/``input`` for
-the forward graph's placeholders, ``activation`` for what the backward graph reads from
-the forward, ``gradient`` for the backward's outputs, ``temporary`` otherwise). A view
+the forward graph's placeholders, ``input`` too for the backward's output gradients,
+held to the graph's end, ``activation`` for what the backward graph reads from the
+forward, ``gradient`` for the backward's outputs, ``temporary`` otherwise). A view
 shares its base's tensor id, so bytes are counted once per storage.
 
 Op times are a roofline estimate (:func:`estimate_op_s`): matrix products at the
@@ -82,10 +83,6 @@ class GraphFacts:
             them: ``last_fwd_use`` is their last use in the backward graph,
             ``first_bwd_use`` the graph's last op (they come back to the device before
             the graph returns them); ``offloadable`` when dense and returned once.
-        tangents: the backward graph's inputs that are not saved tensors (the output
-            gradients), where a plan may move them: ``last_fwd_use`` is the use before
-            the longest wait between two uses, ``first_bwd_use`` the use after it
-            (:func:`tangent_split`).
     """
 
     trace: Trace
@@ -93,7 +90,6 @@ class GraphFacts:
     n_fwd: int
     curve: np.ndarray
     grads: tuple[SavedTensor, ...] = ()
-    tangents: tuple[SavedTensor, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -258,8 +254,8 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
                     tid[(g, node.name)] = tid[("fwd", node.name)]
                 elif g == "fwd":
                     tid[(g, node.name)] = new_tensor(tensor_bytes(val), "input", node.name, external=True)
-                else:
-                    tid[(g, node.name)] = new_tensor(tensor_bytes(val), "temporary", node.name)
+                else:  # an output gradient (a tangent), made by the step before this graph ran
+                    tid[(g, node.name)] = new_tensor(tensor_bytes(val), "input", node.name)
                 continue
             if node.op != "call_function":
                 continue
@@ -290,6 +286,13 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
     for n in bwd_out:
         if ("bwd", n.name) in tid:
             held[tid[("bwd", n.name)]] = last
+    # Torch's runtime holds the backward graph's other inputs (the output gradients)
+    # until the graph returns: AOT autograd's backward keeps them among its arguments
+    # while the compiled graph runs (measured: HF GPT-2's 16 MiB logits gradient was live
+    # at graph 0's allocator peak, layers after its last reader, offloaded or not).
+    for p in bwd.graph.find_nodes(op="placeholder"):
+        if p.name not in saved_names and ("bwd", p.name) in tid:
+            held[tid[("bwd", p.name)]] = last
     for name in user_outputs:
         if ("fwd", name) in tid:
             held[tid[("fwd", name)]] = max(held.get(tid[("fwd", name)], 0), min(n_fwd, last))
@@ -356,43 +359,7 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
             name=n.name, bytes=trace.tensors[t].bytes, producer=str(n.target), module=_module_of(n),
             tensor=t, last_fwd_use=max(uses) if uses else last, first_bwd_use=last, offloadable=movable,
         ))
-    tangents: list[SavedTensor] = []
-    for p in bwd.graph.find_nodes(op="placeholder"):
-        t = tid.get(("bwd", p.name))
-        val = p.meta.get("val")
-        if t is None or p.name in saved_names or not isinstance(val, torch.Tensor) or hinted_order(val) is None \
-                or trace.tensors[t].bytes <= 0 or tangent_split(bwd, p) is None:
-            continue
-        uses = sorted(set(uses_by_tensor.get(t, [])))
-        k = max(range(len(uses) - 1), key=lambda k: uses[k + 1] - uses[k])
-        tangents.append(SavedTensor(name=p.name, bytes=trace.tensors[t].bytes, producer="tangent", module="",
-                                    tensor=t, last_fwd_use=uses[k], first_bwd_use=uses[k + 1], offloadable=True))
-    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads), tuple(tangents))
-
-
-def tangent_split(bwd: fx.GraphModule, p: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
-    """Where backward input ``p`` waits longest between two uses: the last node before
-    the wait that reads it (or a view of it), and the nodes after the wait that do;
-    ``None`` when it is read fewer than twice, returned, or read after the wait through
-    a view made before it that cannot be re-made from ``p`` (:func:`alias_chain`)."""
-    aliases, readers = {p}, []
-    for n in bwd.graph.nodes:
-        if any(a in aliases for a in n.all_input_nodes):
-            if n.op != "call_function":
-                return None  # returned by the graph
-            readers.append(n)
-            if is_view(n) and n.all_input_nodes[0] in aliases:
-                aliases.add(n)
-    if len(readers) < 2:
-        return None
-    order = {n: k for k, n in enumerate(bwd.graph.nodes)}
-    k = max(range(len(readers) - 1), key=lambda k: order[readers[k + 1]] - order[readers[k]])
-    late = readers[k + 1:]
-    late_set = set(late)
-    if any(a in aliases and a is not p and a not in late_set and alias_chain(a, p) is None
-           for n in late for a in n.all_input_nodes):
-        return None
-    return readers[k], late
+    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads))
 
 
 def _with_groups(saved: list[SavedTensor], fwd_out: list[object], n_out: int, tid: dict[tuple[str, str], int],
@@ -448,5 +415,5 @@ def live_curve(trace: Trace) -> np.ndarray:
     return np.cumsum(diff)[:-1]
 
 
-__all__ = ["GraphFacts", "SavedTensor", "alias_chain", "graph_facts", "hint_int", "is_random", "live_curve", "storage_groups", "storage_maker", "tangent_split",
+__all__ = ["GraphFacts", "SavedTensor", "alias_chain", "graph_facts", "hint_int", "is_random", "live_curve", "storage_groups", "storage_maker",
            "tensor_bytes"]

@@ -42,7 +42,6 @@ from .graph_trace import (
     is_view,
     storage_groups,
     storage_maker,
-    tangent_split,
 )
 from .plan import GraphPlan
 
@@ -88,8 +87,6 @@ class PartitionRecord:
             rewrite; recompute may add tensors at its frontier).
         grads_offloaded: gradients rewritten to go through the host tier inside the
             backward graph: their slot and bytes.
-        tangents_offloaded: backward inputs (output gradients) rewritten to go through
-            the host tier across their longest wait in the backward graph: slot, bytes.
         slot_bytes: bytes a slot moves where they are not its saved tensor's own: a
             storage several saved views share (attention's q, k and v split from one
             projection) moves once, as its base, under the first view's name (the
@@ -108,7 +105,6 @@ class PartitionRecord:
     tags_dropped: bool = False
     grads_offloaded: dict[str, tuple[int, int]] = field(default_factory=dict)
     slot_bytes: dict[str, int] = field(default_factory=dict)
-    tangents_offloaded: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 _PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py")
@@ -187,7 +183,7 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         # mean and rstd with its output): every name of the unplanned saved set gone.
         record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
         record.saved_count_after = len(real.saved)
-        if plan.offload or plan.offload_grads or plan.offload_tangents:
+        if plan.offload or plan.offload_grads:
             self._rewrite(fwd, bwd, n_out, plan, record)
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
         record.saved_after = sum(
@@ -269,8 +265,6 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         output.args = (tuple(outs),)
         if plan.offload_grads:
             _rewrite_grads(bwd, plan.offload_grads, self.slot_base, record)
-        if plan.offload_tangents:
-            _rewrite_tangents(bwd, plan.offload_tangents, self.slot_base, record)
         fwd.graph.lint()
         bwd.graph.lint()
         fwd.recompile()
@@ -449,41 +443,6 @@ def _rewrite_grads(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, r
         done.add(g.name)
         record.grads_offloaded[g.name] = (slot, _bytes(g))
     output.args = (tuple(outs),)
-
-
-TANGENT_SLOTS = 3 << 18  # a graph's slots for backward inputs start here within its slot range
-
-
-def _rewrite_tangents(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, record: PartitionRecord) -> None:
-    """Each named backward input goes to the host tier after its last use before its
-    longest wait (:func:`graph_trace.tangent_split`) and comes back before the first
-    use after it, which then reads the reloaded tensor."""
-    for i, p in enumerate(bwd.graph.find_nodes(op="placeholder")):
-        if p.name not in names:
-            continue
-        split = tangent_split(bwd, p)
-        val = p.meta.get("val")
-        order = hinted_order(val) if isinstance(val, torch.Tensor) else None
-        if split is None or order is None:
-            continue
-        early, late = split
-        pos = {n: k for k, n in enumerate(bwd.graph.nodes)}
-        after = _sequencer(bwd, late[0], pos)
-        if after is None or pos[after] <= pos[early]:
-            continue
-        slot = slot_base + TANGENT_SLOTS + i
-        tok = _insert_offload(bwd.graph, early, p, slot)
-        back = _insert_reload(bwd.graph, late[0], tok, tok.meta["val"], after, order, val)
-        late_set = set(late)
-        remade: dict[fx.Node, fx.Node] = {p: back}
-        for n in late:
-            for a in list(n.all_input_nodes):
-                if a in late_set or (a is not p and storage_maker(a) is not p):
-                    continue
-                if a not in remade:  # a view made before the wait: made again from the reload
-                    remade[a] = _replay(bwd.graph, alias_chain(a, p) or [], back, late[0])
-                n.replace_input_with(a, remade[a])
-        record.tangents_offloaded[p.name] = (slot, _bytes(p))
 
 
 def _replay(graph: fx.Graph, chain: list[fx.Node], base: fx.Node, before: fx.Node) -> fx.Node:

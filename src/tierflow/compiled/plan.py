@@ -44,8 +44,6 @@ class GraphPlan:
             backward graph instead of saving.
         offload_grads: gradients (the backward graph's outputs) copied to the host
             tier after their last use in the graph and back just before it returns.
-        offload_tangents: backward inputs (output gradients) copied to the host tier
-            inside the backward graph across their longest wait between two uses.
     """
 
     offload: frozenset[str] = frozenset()
@@ -55,14 +53,11 @@ class GraphPlan:
     slots: dict[str, int] = field(default_factory=dict, compare=False)
     recompute: frozenset[str] = frozenset()
     offload_grads: frozenset[str] = frozenset()
-    offload_tangents: frozenset[str] = frozenset()
 
     def key(self) -> str:
         """A digest that changes exactly when the plan does (for torch's caches)."""
         text = ",".join(sorted(self.offload)) + "|recompute:" + ",".join(sorted(self.recompute))
         text += "|grads:" + ",".join(sorted(self.offload_grads))
-        if self.offload_tangents:
-            text += "|tangents:" + ",".join(sorted(self.offload_tangents))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -151,9 +146,8 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
             stays). The front-end passes ``False`` under inductor (see
             :func:`tierflow.compiled.compile`).
         move_grads: when no saved storage spans the peak (it is late in the backward
-            graph, where the gradients made so far are held), move gradients, and
-            output gradients across their wait (``facts.tangents``), to the host tier
-            inside the graph, largest first.
+            graph, where the gradients made so far are held), move gradients to the
+            host tier inside the graph, largest first.
 
     Example:
         >>> plan = plan_graph(rec.facts, target_bytes=64 << 20)  # doctest: +SKIP
@@ -172,11 +166,6 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
     grads = [g for g in facts.grads if move_grads and g.offloadable and g.bytes >= min_bytes
              and g.first_bwd_use - g.last_fwd_use > 1]
     moved_grads: list[str] = []
-    # output gradients waiting inside the backward graph (inductor fuses a matrix
-    # product into the add that uses it, which can keep its 16 MiB input to the end)
-    tangents = [t for t in facts.tangents if move_grads and t.bytes >= min_bytes
-                and t.first_bwd_use - t.last_fwd_use > 1]
-    moved_tangents: list[str] = []
     # Ops whose excess nothing can lower (the loss's working set between forward and
     # backward, say): set aside, so that the rest of the curve is still brought to the
     # target (stopping at the first one left the backward's peak where it was).
@@ -185,18 +174,14 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
         peak_op = int(np.where(stuck, np.iinfo(np.int64).min, curve).argmax())
         spanning = [t for t, g in candidates.items() if g[0].last_fwd_use < peak_op < g[0].first_bwd_use]
         if not spanning:
-            made = [g for g in grads + tangents if g.last_fwd_use < peak_op < g.first_bwd_use]
+            made = [g for g in grads if g.last_fwd_use < peak_op < g.first_bwd_use]
             if not made:
                 unreachable = True
                 stuck[peak_op] = True
                 continue
             g = max(made, key=lambda g: (g.bytes, g.name))
-            if g in tangents:
-                tangents.remove(g)
-                moved_tangents.append(g.name)
-            else:
-                grads.remove(g)
-                moved_grads.append(g.name)
+            grads.remove(g)
+            moved_grads.append(g.name)
             curve[g.last_fwd_use + 1 : g.first_bwd_use] -= g.bytes
             continue
         best = max(spanning, key=lambda t: (unit_bytes(candidates[t]), candidates[t][0].name))
@@ -215,4 +200,4 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
     return GraphPlan(offload=frozenset(offload), target_bytes=int(target_bytes),
                      predicted_peak_bytes=int(curve.max()) if len(curve) else 0,
                      unreachable=unreachable, recompute=frozenset(recompute),
-                     offload_grads=frozenset(moved_grads), offload_tangents=frozenset(moved_tangents))
+                     offload_grads=frozenset(moved_grads))
