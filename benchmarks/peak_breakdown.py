@@ -9,12 +9,13 @@ that made it: a compiled graph's forward or backward (the ``CompiledFunction`` /
 runs them), ``tierflow::reload`` inside one, or eager code between graphs
 (a loss, the optimizer). Against the region the peak falls in, a block is:
 
-* ``saved``: made by the peak graph's own forward and still live in its backward (what
-  the forward keeps saved, or its outputs the caller keeps);
+* ``saved``: made by a forward and still live in a backward (what a forward saved, or
+  an output the caller still holds);
 * ``reloaded``: made by ``tierflow::reload`` (an offloaded tensor back on the device);
 * ``working``: made by the region the peak falls in (its temporaries and gradients so far);
-* ``other graph``: made by another graph (e.g. a later graph's backward that produced
-  this graph's output gradient: a tangent; or an earlier graph's saved tensors);
+* ``other backward``: made by another backward (the output gradient a later graph's
+  backward made for this one: a tangent; gradients it returned);
+* ``other forward``: made by another forward, the peak being in a forward;
 * ``eager``: made outside every compiled graph.
 
     prof = torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -71,17 +72,17 @@ class Breakdown:
     events: int = 0
 
     def category(self, b: Block) -> str:
-        """``saved``, ``reloaded``, ``working``, ``other graph`` or ``eager`` (module docstring)."""
+        """``saved``, ``reloaded``, ``working``, ``other backward``, ``other forward`` or
+        ``eager`` (module docstring)."""
         if b.reload:
             return "reloaded"
         if b.made_in == self.region:
             return "working"
         if b.made_in == "eager":
             return "eager"
-        kind, _, graph = b.made_in.partition(" ")
-        if kind == "fwd" and self.region == f"bwd {graph}":
-            return "saved"
-        return "other graph"
+        if b.made_in.startswith("fwd"):
+            return "saved" if self.region.startswith("bwd") else "other forward"
+        return "other backward"
 
     def by_category(self) -> dict[tuple[str, str], tuple[int, int]]:
         """``(category, made_in) -> (blocks, bytes)``, largest first."""
