@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import lns, repair, search
+from . import descent, lns, repair, search
 from .greedy import best_fit, size_order
 from .ladder import LadderResult, ladder
 from .problem import Problem, Solution, lower_bound, peak_of
@@ -86,6 +86,15 @@ LADDER_DELAY_MAX = 4.0
 # the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
 LADDER_DET_BUDGET = 0.0
+# wall-clock mode: the share of the time limit after which the main thread leaves the
+# canonical search to the min-conflicts descent (module descent) from the best
+# placement found by it or the ladder (1.0: never). Measured on MiniMalloc's J: the
+# descent lowers a placement the search and the ladder have stalled at (BENCHMARKS.md)
+DESCENT_AT = 0.4
+# the descent's moves cost O(capacity in units): it runs only up to this capacity
+DESCENT_MAX_CAP = 1 << 16
+# ... and on problems of at most this many buffers (its moves scan every buffer)
+DESCENT_MAX_BUFFERS = 2000
 
 
 def solve_best(
@@ -159,7 +168,10 @@ def solve_best(
     lad = _LadderRun.start(problem, keep, best_off * gcd, deadline, seed, threaded=node_limit is None,
                            active=best_cost > lb and 0 < n <= LADDER_MAX_BUFFERS, known=shared)
 
-    # 2. capacity search in rounds of doubling node budgets
+    # 2. capacity search in rounds of doubling node budgets, in wall-clock mode until
+    # the descent takes over the main thread (step 2b)
+    descending = node_limit is None and 0 < n <= DESCENT_MAX_BUFFERS and best_cost <= DESCENT_MAX_CAP
+    search_end = t0 + DESCENT_AT * max(0.0, time_limit) if descending else deadline
     rng = np.random.default_rng(seed)
     keys = {"T": sec.buffer_total, "W": upper - lower, "A": area}
     nodes = 0
@@ -181,7 +193,7 @@ def solve_best(
                 order = orders[h]
             s = search.Search(units, cap, order, sec, area, h, width=upper - lower)
             while (s.result is None and not s.gave_up and s.nodes < allowed and nodes < budget
-                   and time.perf_counter() < deadline):
+                   and time.perf_counter() < search_end):
                 before = s.nodes
                 s.advance(int(min(step, allowed - s.nodes, budget - nodes)))
                 nodes += s.nodes - before
@@ -192,14 +204,14 @@ def solve_best(
                 return s.offsets.copy(), False
             if s.result is False:
                 return None, True
-            if nodes >= budget or time.perf_counter() >= deadline or gave_up:
+            if nodes >= budget or time.perf_counter() >= search_end or gave_up:
                 break
         return None, False
 
     floor_cap = lb  # proven: nothing below it is feasible
     # the ladder's best so far bounds the search's bisection too: a capacity at or above
     # a peak either has found is not worth a probe
-    while (min(best_cost, lad.cost(gcd)) > floor_cap and nodes < budget and time.perf_counter() < deadline
+    while (min(best_cost, lad.cost(gcd)) > floor_cap and nodes < budget and time.perf_counter() < search_end
            and not gave_up and not lad.settled()):
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
@@ -210,7 +222,7 @@ def solve_best(
             floor_cap += 1
             continue
         lo, hi = floor_cap + 1, min(best_cost, lad.cost(gcd)) - 1
-        while lo <= hi and nodes < budget and time.perf_counter() < deadline and not gave_up and not lad.settled():
+        while lo <= hi and nodes < budget and time.perf_counter() < search_end and not gave_up and not lad.settled():
             hi = min(hi, lad.cost(gcd) - 1)
             if lo > hi:
                 break
@@ -227,6 +239,24 @@ def solve_best(
             report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
         limit *= 2
         rounds += 1
+
+    # 2b. the descent from the best placement either has found, the ladder's later
+    # placements taken up as they come; its own go to the ladder (shared)
+    if descending and best_cost > floor_cap and time.perf_counter() < deadline and not lad.settled():
+        start = lad.placement(keep, gcd, problem.alignment)
+        if start is None or cost(start) >= best_cost:
+            start = best_off
+
+        def found(off: np.ndarray) -> None:
+            shared[:] = [cost(off) * gcd, off * gcd]
+            report(_frac(t0, time_limit), cost(off) * gcd * problem.alignment)
+
+        off, facts = descent.descend(lower, upper, units, start, floor_cap, deadline, seed=seed,
+                                     stop=lad.settled, better=lambda: lad.placement(keep, gcd, problem.alignment),
+                                     found=found)
+        meta["descent"] = {k: facts[k] for k in ("steps", "tries", "moves")}
+        if cost(off) < best_cost:
+            best_off, best_cost, best_from = off, cost(off), "descent"
 
     # the ladder's answer: waited for (or run now, in deterministic mode), then kept
     # when it is lower; its proof raises the floor
@@ -297,6 +327,8 @@ class _LadderRun:
         self.known = known
         # the ladder's best peak so far in alignment units, with the set-aside buffers
         self.best_units: float = math.inf
+        # the ladder's best placement so far (reduced units), None before its first
+        self.best_offsets: np.ndarray | None = None
         self.aside = 0
         self.active = red is not None
         self.stop = threading.Event()
@@ -339,7 +371,19 @@ class _LadderRun:
 
         self.result = ladder(self.red, self.start, time_limit=max(0.0, self.deadline - time.perf_counter()),
                              seed=self.seed, workers=LADDER_WORKERS, det_budget=det_budget, stop=self.stop,
-                             known=known, known_hint=known_hint, progress=found)
+                             known=known, known_hint=known_hint, progress=found, placed=self._placed)
+
+    def _placed(self, offsets: np.ndarray) -> None:
+        self.best_offsets = offsets
+
+    def placement(self, keep: np.ndarray, gcd: int, alignment: int) -> np.ndarray | None:
+        """The ladder's best placement so far in the search's terms (the kept buffers,
+        units of ``gcd`` alignment units), or None when there is none or its grid is not
+        the search's."""
+        off = self.best_offsets
+        if off is None or self.red is None or self.red.scale % (gcd * alignment):
+            return None
+        return self.red.expand(off)[keep] // (gcd * alignment)
 
     def _known_hint(self) -> np.ndarray | None:
         """The search's placement on the reduced grid, or None when it is off it."""
