@@ -100,15 +100,29 @@ def test_descent_takes_up_a_lower_placement_from_beside():
     assert int((off + size).max()) == 5
 
 
-def test_best_runs_the_descent_and_keeps_its_valid_answer(monkeypatch):
-    # the descent from the start, the ladder off: the heuristics leave this set above
-    # its bound and the descent brings it down (measured: to the bound in 6 steps)
+def _no_ladder_descent_at_once(monkeypatch, mode: str):
     monkeypatch.setattr(best, "DESCENT_AT", 0.0)
+    monkeypatch.setattr(best, "DESCENT_STALL", 0.0)
+    monkeypatch.setattr(best, "DESCENT_MODE", mode)
     monkeypatch.setattr(best, "LADDER_MAX_BUFFERS", 0)
+    # the heuristics leave this set above its bound (measured: the descent alone brings
+    # it to the bound in 6 steps)
     p, _ = generate.with_free_space(*generate.guillotine(80, steps=60, height=64, seed=4), 0.2, seed=4)
-    greedy_sol = pool.solve(p, "greedy")
+    return p, pool.solve(p, "greedy")
+
+
+def test_best_hands_the_main_thread_to_the_descent_and_keeps_its_answer(monkeypatch):
+    p, greedy_sol = _no_ladder_descent_at_once(monkeypatch, "takeover")
     sol = pool.solve(p, "best", time_limit=5.0)
     assert pool.validate(p, sol.offsets).valid
     assert sol.peak <= greedy_sol.peak
     assert sol.meta["descent"]["steps"] >= 1
     assert sol.meta["found_by"] == "descent"
+
+
+def test_best_runs_the_descent_in_a_thread_beside_the_search(monkeypatch):
+    p, greedy_sol = _no_ladder_descent_at_once(monkeypatch, "thread")
+    sol = pool.solve(p, "best", time_limit=5.0)
+    assert pool.validate(p, sol.offsets).valid
+    assert sol.peak <= greedy_sol.peak
+    assert "descent" in sol.meta  # it ran and was joined (the search may finish first)

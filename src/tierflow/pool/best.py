@@ -86,11 +86,18 @@ LADDER_DELAY_MAX = 4.0
 # the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
 LADDER_DET_BUDGET = 0.0
-# wall-clock mode: the share of the time limit after which the main thread leaves the
-# canonical search to the min-conflicts descent (module descent) from the best
-# placement found by it or the ladder (1.0: never). Measured on MiniMalloc's J: the
-# descent lowers a placement the search and the ladder have stalled at (BENCHMARKS.md)
-DESCENT_AT = 0.4
+# wall-clock mode: the main thread leaves the canonical search to the min-conflicts
+# descent (module descent) from the best placement found by it or the ladder once
+# DESCENT_AT of the time limit has passed and neither has lowered the best peak for
+# DESCENT_STALL of it (DESCENT_AT = 1.0: never). Measured on MiniMalloc's J and the
+# generated guillotine-450-free: the descent lowers placements the search and the
+# ladder have stalled at; on D the search was still improving after 40% of the limit
+# (BENCHMARKS.md)
+DESCENT_AT = 0.3
+DESCENT_STALL = 0.2
+# "takeover": the descent replaces the search in the main thread; "thread": it runs in
+# a thread of its own beside the search and the ladder
+DESCENT_MODE = "thread"
 # the descent's moves cost O(capacity in units): it runs only up to this capacity
 DESCENT_MAX_CAP = 1 << 16
 # ... and on problems of at most this many buffers (its moves scan every buffer)
@@ -171,7 +178,39 @@ def solve_best(
     # 2. capacity search in rounds of doubling node budgets, in wall-clock mode until
     # the descent takes over the main thread (step 2b)
     descending = node_limit is None and 0 < n <= DESCENT_MAX_BUFFERS and best_cost <= DESCENT_MAX_CAP
-    search_end = t0 + DESCENT_AT * max(0.0, time_limit) if descending else deadline
+    # the last time the best peak (search or ladder) went down, and that peak
+    gain = [t0, best_cost]
+    desc = _DescentRun()
+
+    def publish(off: np.ndarray) -> None:
+        """Share a placement (kept buffers, units) with the ladder when it is the lowest."""
+        if cost(off) * gcd < shared[0]:
+            shared[:] = [cost(off) * gcd, off * gcd]
+
+    def lowest() -> np.ndarray:
+        """The lowest placement the search or the ladder has found (units)."""
+        other = lad.placement(keep, gcd, problem.alignment)
+        return other if other is not None and cost(other) < cost(best_off) else best_off
+
+    def searching() -> bool:
+        """The search goes on: before the deadline, and (in takeover mode) before the
+        descent's turn; in thread mode the descent's thread is started here."""
+        now = time.perf_counter()
+        if now >= deadline:
+            return False
+        if not descending or desc.started:
+            return True
+        low = min(best_cost, lad.cost(gcd))
+        if low < gain[1]:
+            gain[:] = [now, low]
+        if now < t0 + DESCENT_AT * time_limit or now - gain[0] < DESCENT_STALL * time_limit:
+            return True
+        if DESCENT_MODE != "thread":
+            return False
+        desc.start(lambda: descent.descend(
+            lower, upper, units, lowest(), floor_cap, deadline, seed=seed, stop=lambda: lad.settled() or desc.halt,
+            better=lowest, found=publish))
+        return True
     rng = np.random.default_rng(seed)
     keys = {"T": sec.buffer_total, "W": upper - lower, "A": area}
     nodes = 0
@@ -193,7 +232,7 @@ def solve_best(
                 order = orders[h]
             s = search.Search(units, cap, order, sec, area, h, width=upper - lower)
             while (s.result is None and not s.gave_up and s.nodes < allowed and nodes < budget
-                   and time.perf_counter() < search_end):
+                   and searching()):
                 before = s.nodes
                 s.advance(int(min(step, allowed - s.nodes, budget - nodes)))
                 nodes += s.nodes - before
@@ -204,14 +243,14 @@ def solve_best(
                 return s.offsets.copy(), False
             if s.result is False:
                 return None, True
-            if nodes >= budget or time.perf_counter() >= search_end or gave_up:
+            if nodes >= budget or not searching() or gave_up:
                 break
         return None, False
 
     floor_cap = lb  # proven: nothing below it is feasible
     # the ladder's best so far bounds the search's bisection too: a capacity at or above
     # a peak either has found is not worth a probe
-    while (min(best_cost, lad.cost(gcd)) > floor_cap and nodes < budget and time.perf_counter() < search_end
+    while (min(best_cost, lad.cost(gcd)) > floor_cap and nodes < budget and searching()
            and not gave_up and not lad.settled()):
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
@@ -222,7 +261,7 @@ def solve_best(
             floor_cap += 1
             continue
         lo, hi = floor_cap + 1, min(best_cost, lad.cost(gcd)) - 1
-        while lo <= hi and nodes < budget and time.perf_counter() < search_end and not gave_up and not lad.settled():
+        while lo <= hi and nodes < budget and searching() and not gave_up and not lad.settled():
             hi = min(hi, lad.cost(gcd) - 1)
             if lo > hi:
                 break
@@ -242,18 +281,17 @@ def solve_best(
 
     # 2b. the descent from the best placement either has found, the ladder's later
     # placements taken up as they come; its own go to the ladder (shared)
-    if descending and best_cost > floor_cap and time.perf_counter() < deadline and not lad.settled():
-        start = lad.placement(keep, gcd, problem.alignment)
-        if start is None or cost(start) >= best_cost:
-            start = best_off
-
-        def found(off: np.ndarray) -> None:
-            shared[:] = [cost(off) * gcd, off * gcd]
-            report(_frac(t0, time_limit), cost(off) * gcd * problem.alignment)
-
-        off, facts = descent.descend(lower, upper, units, start, floor_cap, deadline, seed=seed,
+    if desc.started:  # thread mode: it ends at the deadline, or now when the search met its floor
+        desc.halt = best_cost <= floor_cap
+        off, facts = desc.join()
+    elif (descending and DESCENT_MODE != "thread" and best_cost > floor_cap and time.perf_counter() < deadline
+          and not lad.settled()):
+        off, facts = descent.descend(lower, upper, units, lowest(), floor_cap, deadline, seed=seed,
                                      stop=lad.settled, better=lambda: lad.placement(keep, gcd, problem.alignment),
-                                     found=found)
+                                     found=publish)
+    else:
+        off = facts = None
+    if facts is not None:
         meta["descent"] = {k: facts[k] for k in ("steps", "tries", "moves")}
         if cost(off) < best_cost:
             best_off, best_cost, best_from = off, cost(off), "descent"
@@ -315,6 +353,27 @@ def solve_best(
         optimal=peak == problem.lower_bound or (best_cost <= floor_cap and problem.alignment == 1),
         meta=meta,
     )
+
+
+class _DescentRun:
+    """The descent of :mod:`.descent` in a thread of its own (``DESCENT_MODE = "thread"``)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.halt = False  # set to end it early
+        self.thread: threading.Thread | None = None
+        self.result: tuple[np.ndarray, dict] | None = None
+
+    def start(self, run: Callable[[], tuple[np.ndarray, dict]]) -> None:
+        def body() -> None:
+            self.result = run()
+        self.started = True
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def join(self) -> tuple[np.ndarray | None, dict | None]:
+        self.thread.join()
+        return self.result if self.result is not None else (None, None)
 
 
 class _LadderRun:
