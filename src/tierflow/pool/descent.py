@@ -8,11 +8,11 @@ to the offset where it overlaps least, with weights on the pairs that keep
 overlapping (guided local search, the compiled ``min_conflicts`` of :mod:`._kernels`).
 When no pair overlaps the placement is valid under the new capacity and the next unit
 is asked; a try that does not get there in :data:`TRY_ITERS` moves starts again from
-the last valid placement with a new seed (the tries' lengths are heavy-tailed).
+the last valid placement with a new seed.
 
-Measured on MiniMalloc's J (409 buffers, one core, load about 0.7): from the ladder's
-1.0476 x the bound to 1.0414 in 11 s and to 1.0362 in 17 s, lower than the ladder
-reaches in 60 s; on D it moved nothing (BENCHMARKS.md). It proves nothing: a capacity
+Measured on MiniMalloc's J (409 buffers, one core, load about 0.7, a prototype of this
+kernel): from the search's 1.0476 x the bound to 1.0414 in 11 s and to 1.0362 in 17 s,
+lower than the ladder reached in 60 s; on D it moved nothing (BENCHMARKS.md). It proves nothing: a capacity
 it cannot reach may still be feasible.
 
 Every answer is checked for overlaps by plain numpy before it is kept.
@@ -31,9 +31,10 @@ import numpy as np
 
 from ._graph import neighbours, overlap_pairs
 
-# moves a try gets before it starts again from the last valid placement (about 0.7-1 s
-# at 200-400 buffers on one core: J's steps took 0.2-1 million moves)
-TRY_ITERS = 200_000
+# moves a try gets before it starts again from the last valid placement: the weights
+# it has learnt are lost on a restart (J in 8 s at load 4: 3-4 steps with a million
+# moves a try, 0-2 with 200 thousand, the same with 3 million; BENCHMARKS.md)
+TRY_ITERS = 1_000_000
 # moves between two looks at the clock and the stop flag
 CHUNK = 20_000
 # a moved buffer stays put for TENURE + a random 0..TENURE moves
