@@ -89,15 +89,17 @@ LADDER_DET_BUDGET = 0.0
 # wall-clock mode: the main thread leaves the canonical search to the min-conflicts
 # descent (module descent) from the best placement found by it or the ladder once
 # DESCENT_AT of the time limit has passed and neither has lowered the best peak for
-# DESCENT_STALL of it (DESCENT_AT = 1.0: never). Measured on MiniMalloc's J and the
-# generated guillotine-450-free: the descent lowers placements the search and the
-# ladder have stalled at; on D the search was still improving after 40% of the limit
-# (BENCHMARKS.md)
-DESCENT_AT = 0.3
-DESCENT_STALL = 0.2
+# DESCENT_STALL of it (DESCENT_AT = 1.0: never). Measured (BENCHMARKS.md): the descent
+# lowers placements the search and the ladder have stalled at (MiniMalloc's J, the
+# generated guillotine-450-free); on D the search was still improving after 40% of the
+# limit at load 3-5, hence the late start
+DESCENT_AT = 0.5
+DESCENT_STALL = 0.3
 # "takeover": the descent replaces the search in the main thread; "thread": it runs in
-# a thread of its own beside the search and the ladder
-DESCENT_MODE = "thread"
+# a thread of its own beside the search and the ladder. A third busy thread on two
+# cores slowed the other two: at load 4-6, D 1.0758 against 1.0540 and the generated
+# guillotine-450-free 1.0635 against 1.0430 without the descent
+DESCENT_MODE = "takeover"
 # the descent's moves cost O(capacity in units): it runs only up to this capacity
 DESCENT_MAX_CAP = 1 << 16
 # ... and on problems of at most this many buffers (its moves scan every buffer)
