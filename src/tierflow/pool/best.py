@@ -87,12 +87,13 @@ LADDER_DELAY_MAX = 4.0
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
 LADDER_DET_BUDGET = 0.0
 # wall-clock mode: the main thread leaves the canonical search to the min-conflicts
-# descent (module descent) from the best placement found by it or the ladder once
-# DESCENT_AT of the time limit has passed and neither has lowered the best peak for
-# DESCENT_STALL of it (DESCENT_AT = 1.0: never). Measured (BENCHMARKS.md): the descent
-# lowers placements the search and the ladder have stalled at (MiniMalloc's J, the
-# generated guillotine-450-free); on D the search was still improving after 40% of the
-# limit at load 3-5, hence the late start
+# descent (module descent) from the best placement found by it or the ladder once the
+# solver's threads have had DESCENT_AT of the time limit each in CPU time (not wall
+# time: on a loaded machine the search needs its CPU seconds before it stalls) and
+# neither has lowered the best peak for DESCENT_STALL of the limit (DESCENT_AT = 1.0:
+# never). Measured (BENCHMARKS.md): the descent lowers placements the search and the
+# ladder have stalled at (MiniMalloc's J, the generated guillotine-450-free); started
+# by the wall clock at load 4-8 it cut the search short (D, J worse)
 DESCENT_AT = 0.5
 DESCENT_STALL = 0.3
 # "takeover": the descent replaces the search in the main thread; "thread": it runs in
@@ -183,6 +184,8 @@ def solve_best(
     # the last time the best peak (search or ladder) went down, and that peak
     gain = [t0, best_cost]
     desc = _DescentRun()
+    c0 = time.process_time()
+    threads = 1 + (lad.thread is not None)
 
     def publish(off: np.ndarray) -> None:
         """Share a placement (kept buffers, units) with the ladder when it is the lowest."""
@@ -205,7 +208,8 @@ def solve_best(
         low = min(best_cost, lad.cost(gcd))
         if low < gain[1]:
             gain[:] = [now, low]
-        if now < t0 + DESCENT_AT * time_limit or now - gain[0] < DESCENT_STALL * time_limit:
+        if (time.process_time() - c0 < DESCENT_AT * time_limit * threads
+                or now - gain[0] < DESCENT_STALL * time_limit):
             return True
         if DESCENT_MODE != "thread":
             return False
