@@ -12,6 +12,10 @@
    of its time improving the incumbent, not at the bound, and one that meets the bound
    still meets it early. A capacity the search exhausts is proven infeasible and never
    tried again.
+   Once the search and the ladder (below) have had half the limit in CPU time and
+   neither has lowered the peak for 30% of it, the main thread leaves the search to
+   the min-conflicts descent of :mod:`.descent`, which lowers the best placement either
+   has found a unit at a time (wall-clock mode only).
 3. Time left over (the search stopped early or gave up, as it does on tens of
    thousands of buffers) goes to :func:`.repair.repair`, band-lifting moves on the
    incumbent that are kept only when they lower its peak.
@@ -261,7 +265,7 @@ def solve_best(
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
             best_off, best_cost, best_from = off, cost(off), "search"
-            shared[:] = [best_cost * gcd, best_off * gcd]
+            publish(best_off)
             break
         if proven:
             floor_cap += 1
@@ -275,7 +279,7 @@ def solve_best(
             off, proven = probe(cap, limit)
             if off is not None:
                 best_off, best_cost, best_from = off, cost(off), "search"
-                shared[:] = [best_cost * gcd, best_off * gcd]
+                publish(best_off)
                 hi = best_cost - 1
             else:
                 if proven:

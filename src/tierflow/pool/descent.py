@@ -35,8 +35,10 @@ from ._graph import neighbours, overlap_pairs
 # it has learnt are lost on a restart (J in 8 s at load 4: 3-4 steps with a million
 # moves a try, 0-2 with 200 thousand, the same with 3 million; BENCHMARKS.md)
 TRY_ITERS = 1_000_000
-# moves between two looks at the clock and the stop flag
+# moves between two looks at the clock and the stop flag (compiled; interpreted, a move
+# costs about a thousand Python steps, so the clock is read every CHUNK_INTERPRETED)
 CHUNK = 20_000
+CHUNK_INTERPRETED = 20
 # a moved buffer stays put for TENURE + a random 0..TENURE moves
 TENURE = 10
 
@@ -105,6 +107,7 @@ def descend(
     prof = np.zeros(peak + 2 * int(size.max()) + 4, dtype=np.int64)
     conf = np.zeros(n, dtype=np.int64)
     tabu = np.zeros(n, dtype=np.int64)
+    chunk = CHUNK if K.HAVE_NUMBA else CHUNK_INTERPRETED
 
     def halted() -> bool:
         return (time.perf_counter() >= deadline or (stop is not None and stop())
@@ -122,8 +125,8 @@ def descend(
         facts["tries"] += 1
         left, moves = 1, 0
         while left and moves < TRY_ITERS and time.perf_counter() < deadline and not (stop is not None and stop()):
-            left, done = K.min_conflicts(size, ptr, adj, rev, cap, off, w, conf, tabu, min(CHUNK, TRY_ITERS - moves),
-                                         seed + facts["tries"] * 1000 + moves // CHUNK, TENURE, prof)
+            left, done = K.min_conflicts(size, ptr, adj, rev, cap, off, w, conf, tabu, min(chunk, TRY_ITERS - moves),
+                                         seed + facts["tries"] * 1000 + moves // chunk, TENURE, prof)
             left, moves = int(left), moves + int(done)
         facts["moves"] += moves
         if left == 0 and int((off + size).max()) <= cap and overlapping(lower, upper, size, off) == 0:
