@@ -403,7 +403,8 @@ class CompiledOffload:
         report.recomputed = len(rec.recomputed)
         report.kept = rec.saved_count_after - report.offloaded
         report.predicted_peak_bytes = facts.peak_bytes
-        report.predicted_peak_bytes_planned = plan.predicted_peak_bytes
+        # (a copy back that starts early holds its bytes from the start: that curve's peak counts)
+        report.predicted_peak_bytes_planned = max(plan.predicted_peak_bytes, rec.prefetch_peak_bytes)
         report.target_bytes = plan.target_bytes
         report.unreachable = plan.unreachable
         try:
