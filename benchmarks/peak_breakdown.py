@@ -11,7 +11,8 @@ runs them), ``tierflow::reload`` inside one, or eager code between graphs
 
 * ``saved``: made by a forward and still live in a backward (what a forward saved, or
   an output the caller still holds);
-* ``reloaded``: made by ``tierflow::reload`` (an offloaded tensor back on the device);
+* ``reloaded``: made by ``tierflow::reload``, ``tierflow::prefetch`` or ``tierflow::wait``
+  (an offloaded tensor back on the device);
 * ``working``: made by the region the peak falls in (its temporaries and gradients so far);
 * ``other backward``: made by another backward (the output gradient a later graph's
   backward made for this one: a tangent; gradients it returned);
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GRAPH = "## Call CompiledFxGraph"
+# the ops that bring an offloaded tensor back (a prefetch allocates where it starts)
+_COPIES_BACK = ("tierflow::reload", "tierflow::prefetch", "tierflow::wait")
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class _Regions:
             chain.append(p)
             p = p.parent
         op = chain[0].name if chain else "?"
-        reload = any(e.name.startswith("tierflow::reload") for e in chain)
+        reload = any(e.name.startswith(_COPIES_BACK) for e in chain)
         for i, e in enumerate(chain):
             if e.name not in ("CompiledFunction", "CompiledFunctionBackward"):
                 continue
