@@ -9,8 +9,9 @@ of the tensors the plan recomputes ``MUST_RECOMPUTE`` (torch's min-cut honours t
 :func:`tag_recompute`), partitions the real graph, reads back which of them really left
 the saved set, then rewrites the two halves for the offloaded ones: each offloaded tensor goes through ``tierflow::offload``
 after its last forward use (the forward saves the op's token instead of the tensor) and
-comes back through ``tierflow::reload`` before its first backward use
-(:mod:`tierflow.compiled.ops`).
+comes back through ``tierflow::prefetch``, which starts the copy back ahead of its first
+backward use where :func:`tierflow.compiled.prefetch.prefetch_points` puts it, and
+``tierflow::wait`` at that use (:mod:`tierflow.compiled.ops`).
 
 With inductor it is installed as ``torch._inductor.config.custom_partitioner_fn``, which
 receives the joint graph after inductor's joint passes; :meth:`PlanPartitioner.uuid`
