@@ -1,8 +1,9 @@
 """The custom ops a compiled graph calls to move a saved activation: ``tierflow::offload``
 (in the forward graph, after the tensor's last forward use) and, in the backward graph,
 ``tierflow::prefetch`` (where the plan starts the copy back, ahead of the first backward
-use) with ``tierflow::wait`` (at the first backward use), or ``tierflow::reload`` (both
-at once, before the use: a gradient brought back as the graph returns).
+use) with ``tierflow::wait`` (at the first backward use) on CUDA, or ``tierflow::reload``
+(both at once, right before the use: on the CPU, and for a gradient brought back as the
+graph returns).
 
 ``offload`` hands the tensor to the back-end (:mod:`tierflow.runtime.backend`) and
 returns a *token*: an int64 CPU tensor of the saved tensor's shape whose strides are all
