@@ -41,6 +41,28 @@ def test_saved_view_moves_next_to_its_base_and_computes_the_same():
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+def test_chained_and_sibling_views_all_move_up_in_a_valid_order():
+    # a view of a view, and two views of one base, all made last: each lands right
+    # after what it reads, the graph stays topological and computes the same
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    mm = g.call_function(aten.mm.default, (x, w))
+    mm2 = g.call_function(aten.mm.default, (mm, g.call_function(aten.t.default, (w,))))
+    out = g.call_function(aten.sum.default, (g.call_function(aten.relu.default, (mm2,)),))
+    v1 = g.call_function(aten.view.default, (mm, [-1]))
+    v2 = g.call_function(aten.view.default, (v1, [2, -1]))
+    v3 = g.call_function(aten.view.default, (mm, [5, -1]))
+    g.output((out, v1, v2, v3))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    x_, w_ = torch.randn(4, 3), torch.randn(3, 5)
+    before = gm(x_, w_)
+    assert hoist_saved_views(gm, n_out=1) == 3
+    at = {n: i for i, n in enumerate(gm.graph.nodes)}
+    assert at[mm] < at[v1] < at[v2] < at[mm2]
+    assert at[mm] < at[v3] < at[mm2]
+    assert all(torch.equal(a, b) for a, b in zip(before, gm(x_, w_), strict=True))
+
+
 def test_views_already_next_to_their_base_and_user_outputs_stay():
     gm = _forward_with_a_late_saved_view()
     assert hoist_saved_views(gm, n_out=2) == 0  # the view is a user output there, not saved

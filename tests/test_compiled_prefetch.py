@@ -184,6 +184,9 @@ def test_prefetched_compiled_training_is_bitwise_equal_to_plain_compile(split_on
     ref, got = train(plain()), train(_planned_small())
     assert max(got[2].records[0].prefetch_ops.values()) >= 1 and got[2].stats.compiled_offloads > 0
     assert same(ref, got)
+    # the reported planned peak counts the bytes an early copy back holds from its start
+    for rec, g in zip(got[2].records, got[2].stats.compiled_graphs, strict=True):
+        assert g["predicted_peak_bytes_planned"] == max(rec.plan.predicted_peak_bytes, rec.prefetch_peak_bytes)
 
 
 def _planned_small():

@@ -224,3 +224,19 @@ def test_in_flight_waits_for_a_collective_whose_result_was_used():
     a.touched = True
     assert flight.unpin(a) and work.waited
     assert flight.records is records and not records  # (changed in place: the executor holds the list)
+
+
+def test_step_clock_reports_the_planned_steps_mean_once_there_is_one(monkeypatch):
+    from tierflow.runtime import step_clock
+    from tierflow.runtime.stats import RunStats
+
+    now = iter([0.0, 0.0, 3.0, 10.0, 10.0, 11.0, 20.0, 20.0, 22.0])  # start, wall(), stop per step
+    monkeypatch.setattr(step_clock.time, "perf_counter", lambda: next(now))
+    st = RunStats()
+    clock = step_clock.StepClock(torch.device("cpu"), st)
+    for kind in ("other", "planned", "planned"):
+        clock.start()
+        clock.wall()
+        clock.stop(kind)
+    assert st.step_times_s == [3.0, 1.0, 2.0]
+    assert st.step_time_s == 1.5  # the profiled step's 3 s is left out once planned steps exist

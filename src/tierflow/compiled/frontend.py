@@ -13,7 +13,8 @@ The budget: a share (``"50%"``, ``0.5``) is a share of the compiled model's own 
 its graphs' traces predict it (:mod:`tierflow.compiled.graph_trace`: bytes above the
 step's start, parameters and inputs left out); bytes (an int, ``"2GiB"``) are the same
 limit given directly. With graph breaks, a later graph's target leaves out what the
-earlier graphs keep saved (see :meth:`CompiledOffload._target`).
+earlier graphs keep saved (see :meth:`CompiledOffload._target`). The rules for reading
+``budget=`` are :mod:`tierflow.budget`'s, the same as the eager runtime's and the planner's.
 
 When this torch lacks the partitioner hook, :func:`compile` falls back to the eager
 runtime (:func:`tierflow.offload`) and says so once.
@@ -29,12 +30,13 @@ from typing import Any
 
 import torch
 
+from ..budget import Budget
 from ..runtime.backend import backend_for
 from ..runtime.stats import RunStats
 from .graph_trace import GraphFacts
 from .hook import PartitionRecord, PlanPartitioner, hook_support
 from .memo import PlanMemo, graph_key
-from .plan import GraphPlan, plan_graph
+from .plan import GraphPlan, floor_curve, plan_graph
 from .predict import predict_graph
 
 BACKENDS = ("inductor", "aot_eager")
@@ -44,50 +46,6 @@ SLOTS_PER_GRAPH = 1 << 20
 # log-softmax, that one's gradient and the loss's gradient: three times the logits.
 LOSS_WORKING_SET = 3
 _warned_fallback = False
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    """A budget: a share of each graph's predicted peak, or bytes for all graphs."""
-
-    share: float | None = None
-    bytes: int | None = None
-
-    @staticmethod
-    def parse(budget: str | int | float | None) -> Budget:
-        """``"50%"``, ``0.5`` (share), ``2_000_000`` or ``"2GiB"`` (bytes), ``None``.
-
-        Raises:
-            ValueError: a share outside (0, 1], bytes not positive, or an unreadable string.
-        """
-        if budget is None:
-            return Budget()
-        if isinstance(budget, str):
-            text = budget.strip()
-            if text.endswith("%"):
-                try:
-                    share = float(text[:-1]) / 100.0
-                except ValueError:
-                    raise ValueError(f"tierflow compiled: budget {budget!r} is not a percentage") from None
-                if not 0.0 < share <= 1.0:
-                    raise ValueError(f"tierflow compiled: budget {budget!r} must be a share in (0%, 100%]")
-                return Budget(share=share)
-            from ..units import parse_bytes
-
-            try:
-                return Budget.parse(int(parse_bytes(text)))
-            except ValueError as e:
-                raise ValueError(f"tierflow compiled: budget {budget!r} is not a size or share ({e})") from None
-        if isinstance(budget, float) and budget <= 1.0:
-            if not 0.0 < budget <= 1.0:
-                raise ValueError(f"tierflow compiled: budget share {budget} must be in (0, 1]")
-            return Budget(share=budget)
-        if int(budget) <= 0:
-            raise ValueError(f"tierflow compiled: budget {budget} bytes must be positive")
-        return Budget(bytes=int(budget))
-
-    def key(self) -> str:
-        return f"share={self.share}" if self.share is not None else f"bytes={self.bytes}"
 
 
 @dataclass
@@ -116,6 +74,12 @@ class GraphReport:
             the host tier after their last use and back before it returns them.
         predicted_step_s: the simulator's time of the graph's forward and backward with
             the plan (:func:`tierflow.compiled.predict.predict_graph`, CPU figures).
+        frame, frame_compile: Dynamo's compile id of the graph (``frame/frame_compile``):
+            graphs of different frames run in the same step (a graph break); a graph
+            with ``frame_compile > 0`` is a recompile of its frame (a new shape, a failed
+            guard), which runs instead of that frame's earlier graphs. ``-1``: unknown.
+        param_grad_bytes: bytes of the trainable parameters the graph takes as inputs
+            (the gradients its backward makes for them).
     """
 
     index: int
@@ -134,6 +98,14 @@ class GraphReport:
     made_saved_bytes: int = 0
     grads_offloaded: int = 0
     grads_offloaded_bytes: int = 0
+    frame: int = -1
+    frame_compile: int = -1
+    param_grad_bytes: int = 0
+
+    @property
+    def recompile(self) -> bool:
+        """A recompile of a frame Dynamo compiled before."""
+        return self.frame_compile > 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -172,9 +144,16 @@ class CallCounter:
     backend: str = "inductor"
     graphs: int = 0
     calls: int = 0
+    compile_ids: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs that recompiled a frame compiled before (Dynamo's ``frame_compile > 0``)."""
+        return sum(1 for _, c in self.compile_ids if c > 0)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.graphs += 1
+        self.compile_ids.append(compile_id())
         fn = _compile_graph(gm, example_inputs, self.backend, None)
 
         def run(*args: Any) -> Any:
@@ -204,6 +183,68 @@ def with_loss_between(facts: GraphFacts, factor: int = LOSS_WORKING_SET) -> Grap
         return facts
     curve = facts.curve.copy()
     curve[n_fwd - 1] += factor * outputs
+    return dataclasses.replace(facts, curve=curve)
+
+
+def compile_id() -> tuple[int, int]:
+    """Dynamo's ``(frame_id, frame_compile_id)`` of the graph being compiled; ``(-1, -1)``
+    outside a Dynamo compile or on a torch without it."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - an older or newer torch: unknown
+        return (-1, -1)
+    if cid is None or getattr(cid, "frame_id", None) is None:
+        return (-1, -1)
+    return (int(cid.frame_id), int(cid.frame_compile_id))
+
+
+def with_rest_of_model(facts: GraphFacts, min_bytes: int = 1 << 16) -> GraphFacts:
+    """``facts`` with the rest of the model estimated where the forward ends, when the
+    graph returns more than a loss to the caller.
+
+    A graph break splits a model: the graphs after this one run their forward and
+    backward between this graph's forward and its backward, on top of everything this
+    graph keeps saved, and they are compiled after this one, so its plan cannot see
+    them (and a later graph cannot change an earlier graph's plan without a recompile).
+    Measured on a gated MLP cut in two: the later graph's backward reached its own
+    floor (the working set of one block's backward: 5.26 MiB) with the earlier graph's
+    2.26 MiB of kept saved tensors under it. The plan assumes the rest of the model
+    needs at least this graph's own floor (:func:`~tierflow.compiled.plan.floor_curve`
+    over its backward ops: similar layers have similar working sets) and adds what
+    that exceeds :func:`with_loss_between`'s estimate to the forward's end, so that it
+    offloads what it keeps across it. A graph whose outputs are all scalars (a loss)
+    is followed by its backward at once, and is left as it is.
+    """
+    trace, n_fwd = facts.trace, facts.n_fwd
+    if n_fwd >= trace.n_ops or n_fwd <= 0:
+        return facts
+    outputs = max((t.bytes for t in trace.tensors
+                    if t.held_until == n_fwd and t.kind != "gradient" and not t.external), default=0)
+    if outputs <= 8:  # a scalar loss (or nothing) goes to the caller
+        return facts
+    floor = int(floor_curve(facts, min_bytes)[n_fwd:].max())
+    extra = floor - LOSS_WORKING_SET * outputs
+    if extra <= 0:
+        return facts
+    curve = facts.curve.copy()
+    curve[n_fwd - 1] += extra
+    return dataclasses.replace(facts, curve=curve)
+
+
+def with_other_grads(facts: GraphFacts, nbytes: int) -> GraphFacts:
+    """``facts`` with ``nbytes`` of other graphs' parameter gradients held through its backward.
+
+    With a graph break, the graphs after this one run their backward first: the
+    gradients they made for their parameters stay live (autograd accumulates them
+    into ``.grad``) while this graph's backward runs. Measured on a gated MLP cut in
+    two: the later half's 1.5 MiB of gradients under the earlier half's backward peak.
+    """
+    if nbytes <= 0 or facts.n_fwd >= facts.trace.n_ops:
+        return facts
+    curve = facts.curve.copy()
+    curve[facts.n_fwd:] += nbytes
     return dataclasses.replace(facts, curve=curve)
 
 
@@ -251,11 +292,16 @@ class CompiledOffload:
         self.records: list[PartitionRecord] = []
         self.compiles = 0
         self._memo = PlanMemo()
+        self._step_times: list[float] = []
+        self._trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self.model = torch.compile(model, backend=self._compile, **compile_kwargs)
 
     # -- the torch.compile backend ----------------------------------------------------
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        report = GraphReport(index=len(self.graphs))
+        frame, frame_compile = compile_id()
+        report = GraphReport(index=len(self.graphs), frame=frame, frame_compile=frame_compile)
+        own = {id(x): x for x in example_inputs if isinstance(x, torch.nn.Parameter) and x.requires_grad}
+        report.param_grad_bytes = sum(p.numel() * p.element_size() for p in own.values())
         self.graphs.append(report)
         self.compiles += 1
         partitioner = PlanPartitioner(
@@ -283,7 +329,7 @@ class CompiledOffload:
                           "its plan; its report is empty and its host buffers are made on first use", RuntimeWarning, stacklevel=3)
             return
         for k, v in memo["report"].items():
-            if k not in ("index", "calls"):
+            if k not in ("index", "calls", "frame", "frame_compile", "param_grad_bytes"):
                 setattr(report, k, v)
         self._reserve_for(memo.get("reserve", []))
 
@@ -293,9 +339,28 @@ class CompiledOffload:
             self._pending.append(lambda slot=slot, nbytes=nbytes: self.backend.reserve(slot, nbytes))
             self._reserved.append([slot, nbytes])
 
+    def _earlier(self, report: GraphReport) -> list[GraphReport]:
+        """The graphs that ran before ``report``'s in the same step: compiled before it,
+        run once so far, of another Dynamo frame (a graph of the same frame is one
+        ``report`` recompiles: it runs instead of it, not beside it)."""
+        return [g for g in self.graphs if g.index < report.index and g.calls == 1
+                and (g.frame != report.frame or report.frame < 0)]
+
+    def _other_grads(self, report: GraphReport) -> int:
+        """Bytes of parameter gradients other graphs hold while ``report``'s backward runs:
+        the model's trainable bytes less this graph's and the earlier graphs' (their
+        backward runs after this one's)."""
+        earlier = sum(g.param_grad_bytes for g in self._earlier(report))
+        return max(0, self._trainable_bytes - report.param_grad_bytes - earlier)
+
     def _carried(self, report: GraphReport) -> tuple[int, int]:
-        """Bytes earlier graphs keep saved, and would save unplanned, while ``report``'s runs."""
-        earlier = [g for g in self.graphs if g.index < report.index and g.calls == 1]
+        """Bytes earlier graphs keep saved, and would save unplanned, while ``report``'s runs.
+
+        An earlier graph of the same Dynamo frame is not counted: ``report`` is its
+        recompile (a new shape under ``dynamic=True``), which runs instead of it, not
+        beside it (counting it loosened the recompiled graph's target: the dynamic-shape
+        run measured 0.53 of plain at 50%)."""
+        earlier = self._earlier(report)
         made = sum(g.made_saved_bytes for g in earlier)
         return (made - sum(g.offloaded_bytes for g in earlier), made)
 
@@ -319,7 +384,12 @@ class CompiledOffload:
 
     def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
         facts = with_loss_between(facts)
-        return plan_graph(facts, self._target(facts, report), allow_recompute=self.recompute)
+        other = self._other_grads(report)
+        # the share is of the graph's own peak (with the other graphs' gradients under
+        # it, as the model's peak has them), not of the estimate of the rest of the model
+        target = self._target(with_other_grads(facts, other), report)
+        planned = with_other_grads(with_rest_of_model(facts), other)
+        return plan_graph(planned, target, allow_recompute=self.recompute)
 
     def _partitioned(self, rec: PartitionRecord, report: GraphReport) -> None:
         self.records.append(rec)
@@ -333,7 +403,8 @@ class CompiledOffload:
         report.recomputed = len(rec.recomputed)
         report.kept = rec.saved_count_after - report.offloaded
         report.predicted_peak_bytes = facts.peak_bytes
-        report.predicted_peak_bytes_planned = plan.predicted_peak_bytes
+        # (a copy back that starts early holds its bytes from the start: that curve's peak counts)
+        report.predicted_peak_bytes_planned = max(plan.predicted_peak_bytes, rec.prefetch_peak_bytes)
         report.target_bytes = plan.target_bytes
         report.unreachable = plan.unreachable
         try:
@@ -356,6 +427,20 @@ class CompiledOffload:
         self.backend.drop_outstanding()
 
     # -- what the run did -------------------------------------------------------------
+    def record_step(self, seconds: float) -> None:
+        """Note one training step's wall time, measured by the caller's loop.
+
+        NOTE: the compiled front-end sees graph calls, not steps (a step may call a graph
+        several times, or call the optimizer outside any graph), so the loop that knows
+        where a step ends reports it; :attr:`stats` then gives ``steps``,
+        ``step_times_s`` and ``step_time_s`` (the median after the first, compiling, step).
+
+        Example::
+
+            t0 = time.perf_counter(); train_step(); run.record_step(time.perf_counter() - t0)
+        """
+        self._step_times.append(float(seconds))
+
     @property
     def calls(self) -> int:
         """Compiled forward calls over all graphs."""
@@ -379,6 +464,11 @@ class CompiledOffload:
         st.compiled_calls = self.calls
         st.compiled_compiles = self.compiles
         st.compiled_offloads = be.offloads
+        times = list(self._step_times)
+        if times:
+            st.steps, st.step_times_s = len(times), times
+            later = sorted(times[1:])
+            st.step_time_s = later[len(later) // 2] if later else times[0]
         return st
 
 
@@ -403,6 +493,10 @@ class EagerFallback:
     @property
     def stats(self) -> RunStats:
         return self.run.stats
+
+    def record_step(self, seconds: float) -> None:
+        """Accepted for :meth:`CompiledOffload.record_step`'s callers; the eager runtime
+        times its own steps, so the figure is not needed."""
 
 
 def compile(  # noqa: A001 - mirrors torch.compile on purpose
@@ -474,4 +568,5 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     return CompiledOffload(model, parsed, backend, torch.device(device), compile_kwargs, headroom, recompute)
 
 
-__all__ = ["BACKENDS", "Budget", "CallCounter", "CompiledOffload", "EagerFallback", "GraphReport", "compile"]
+__all__ = ["BACKENDS", "Budget", "CallCounter", "CompiledOffload", "EagerFallback", "GraphReport", "compile",
+           "compile_id", "with_rest_of_model"]

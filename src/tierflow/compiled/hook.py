@@ -297,12 +297,15 @@ def hoist_saved_views(fwd: fx.GraphModule, n_out: int) -> int:
     outs = [n for n in fwd.graph.find_nodes(op="output")[0].args[0][n_out:] if isinstance(n, fx.Node)]
     saved = set(outs)
     moved = 0
+    # NOTE: positions are kept as floats and a moved node takes the midpoint between its
+    # anchor and the anchor's next node, so the order is read once, not per view.
+    order: dict[fx.Node, float] = {n: float(i) for i, n in enumerate(fwd.graph.nodes)}
     for node in list(fwd.graph.nodes):  # graph order: a view's view moves after it
         if node not in saved or node.op != "call_function" or not is_view(node) or not node.all_input_nodes:
             continue
-        order = {n: i for i, n in enumerate(fwd.graph.nodes)}
         anchor = max(node.all_input_nodes, key=lambda n: order[n])
-        if order[anchor] + 1 < order[node]:
+        if anchor.next is not node:
+            order[node] = (order[anchor] + order[anchor.next]) / 2.0
             anchor.append(node)
             moved += 1
     if moved:

@@ -111,6 +111,27 @@ def _storages(facts: GraphFacts, min_bytes: int) -> dict[int, list[SavedTensor]]
             and (all(s.recomputable for s in g) or (len(g) == 1 and g[0].offloadable))}
 
 
+def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool = True) -> np.ndarray:
+    """The facts' curve with every saved storage a plan may move (:func:`plan_graph`'s
+    candidates) and every movable gradient off the device inside its gap: the working
+    set no plan of this graph lowers (the tensors an op reads and writes, and what
+    can be neither offloaded nor recomputed).
+
+    Args:
+        facts: the graph.
+        min_bytes: as :func:`plan_graph`'s (smaller storages stay).
+        move_grads: count movable gradients as moved, as :func:`plan_graph` may.
+    """
+    off = [g[0] for g in _storages(facts, min_bytes).values()]
+    if move_grads:
+        off += [g for g in facts.grads if g.offloadable and g.bytes >= min_bytes
+                and g.first_bwd_use - g.last_fwd_use > 1]
+    curve = facts.curve.copy()
+    for s in off:
+        curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+    return curve
+
+
 def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 << 16, *,
                allow_recompute: bool = True, move_grads: bool = True) -> GraphPlan:
     """Recompute or offload saved tensors until the trace's peak is at most ``target_bytes``

@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from ..budget import Budget
 from ..errors import PlanError, PolicyError
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
-from ..units import fmt_bytes, parse_bytes
+from ..units import fmt_bytes
 
 PolicyFn = Callable[[Trace, Hardware, "PolicyOptions"], Plan]
 
@@ -222,17 +223,9 @@ def resolve_budget(
     cap = hardware.device_capacity
     if budget is None:
         value = cap
-    elif isinstance(budget, str) and budget.strip().endswith("%"):
-        try:
-            share = float(budget.strip()[:-1]) / 100
-        except ValueError:
-            raise PolicyError(f"budget {budget!r}: not a percentage") from None
-        value = share * trace.peak_live_bytes
     else:
-        try:
-            value = float(parse_bytes(budget))
-        except ValueError as e:
-            raise PolicyError(f"budget: {e}") from None
+        parsed = Budget.parse(budget)
+        value = parsed.share * trace.peak_live_bytes if parsed.share is not None else float(parsed.bytes)
     if value > cap:
         raise PolicyError(
             f"budget {fmt_bytes(value)} exceeds {hardware.name}'s device memory ({fmt_bytes(cap)})"

@@ -234,7 +234,7 @@ def _train_compiled(args: argparse.Namespace) -> int:
         run = tc.compile(m.model, budget=args.budget, backend=args.compile, optimizer=opt)
     except ValueError as e:
         raise TierflowError(str(e)) from None
-    times, losses = [], []
+    losses = []
     with run:
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -243,11 +243,8 @@ def _train_compiled(args: argparse.Namespace) -> int:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-            times.append(time.perf_counter() - t0)
+            run.record_step(time.perf_counter() - t0)
     st = run.stats
-    st.steps = len(times)
-    st.step_times_s = times
-    st.step_time_s = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     if args.json:
         u.print_json({"model": args.model, "losses": losses, "stats": st.to_dict()})
         return 0

@@ -63,11 +63,10 @@ from torch.nn import Parameter
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import PolicyError
+from ..budget import Budget
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
-from ..units import parse_bytes
 from .collectives import InFlight
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
@@ -84,6 +83,7 @@ from .recompute import Recomputing, rng_states
 from .retime import Retimer
 from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
 from .stats import RunStats
+from .step_clock import StepClock
 from .storages import (
     _PLAIN,
     LOOP_KINDS,
@@ -108,21 +108,9 @@ PolicyArg = str | Callable[[Trace, Hardware, float], Plan]
 
 
 def _budget_spec(budget: str | int | float | None) -> tuple[float | None, float | None]:
-    """``(bytes, share)``: one of them set, or both None for no budget."""
-    if budget is None:
-        return None, None
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        try:
-            share = float(budget.strip()[:-1]) / 100
-        except ValueError:
-            raise PolicyError(f"budget {budget!r}: not a percentage") from None
-        if not 0 < share:
-            raise PolicyError(f"budget {budget!r}: must be positive")
-        return None, share
-    try:
-        return float(parse_bytes(budget)), None
-    except ValueError as e:
-        raise PolicyError(f"budget: {e}") from None
+    """``(bytes, share)``: one of them set, or both None for no budget (rules: :mod:`tierflow.budget`)."""
+    parsed = Budget.parse(budget)
+    return (None if parsed.bytes is None else float(parsed.bytes)), parsed.share
 
 
 _PLAIN_TYPES: dict[tuple, bool] = {}
@@ -340,9 +328,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._sync_ranks and self.stats.world_size > 1:
             self._sync = RankSync()
         self._max_out = 0
-        self._step_events: deque[tuple[Any, Any, str]] = deque()  # CUDA: (start, end, kind) not yet read
-        self._time_sums: dict[str, float] = {}
-        self._time_counts: dict[str, int] = {}
+        self._clock = StepClock(self.device, self.stats)
         self._in_step = False
         self._step_depth = 0  # optimizer.step() wrappers entered (a subclass calling super().step() nests two)
         self._names = {id(p): n for n, p in self.model.named_parameters()}
@@ -419,7 +405,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._fold_outside_peak()
             self.stats.checkpoint_copies = self._checkpoints.copies
             if self.device.type == "cuda":
-                self._collect_step_times(wait=True)
+                self._clock.collect(wait=True)
                 self.stats.cuda_max_allocated = int(torch.cuda.max_memory_allocated(self.device))
         finally:
             if self._sync is not None:
@@ -608,17 +594,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._held = self._held_entries()
         self._ledger.start_peak()
         self._budgeted = math.isfinite(self.budget)
-        self._t0 = time.perf_counter()
-        if self.device.type == "cuda":
-            self._t0_event = torch.cuda.Event(enable_timing=True)
-            self._t0_event.record(torch.cuda.current_stream(self.device))
+        self._clock.start()
         if hooked:  # follow at ticks: the dispatch mode off the stack until the optimizer step
             self._hook.begin()
 
     def end_iteration(self) -> None:
         """Mark the end of an iteration. Called for you when ``optimizer.step()`` returns;
         call it yourself only when training without an optimizer."""
-        wall = time.perf_counter() - self._t0 if self._timing else 0.0
+        wall = self._clock.wall() if self._timing else 0.0
         if self._hook is not None and self._hook.off_mode:  # (no optimizer step: the ticks end here)
             self._hook.finish()
         self._hooks_on()
@@ -639,7 +622,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         kind = "planned" if ((self._planned or self._hinted) and not self._stale) else "other"
         st.step_kinds.append(kind if kind == "planned" else ("warmup" if self._warmup else "profiled")
                              if self._recording else "reactive")
-        self._time_step(kind)
+        self._clock.stop(kind)
         if self._budgeted or (self._budget_bytes is None and self._budget_share is None):
             st.peak_device_bytes = max(st.peak_device_bytes, self._ledger.peak)
         else:  # a share budget: the profile iteration that measured the peak ran without one
@@ -695,35 +678,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # the iteration left, above a share budget after the unconstrained profile)
         self._ledger.clear_peak()
         self._reset_chains()  # (what a chain holds is released with the iteration)
-
-    def _time_step(self, kind: str) -> None:
-        """Record the iteration's time. On CPU the wall time. On CUDA the time between
-        events recorded on the compute stream at its start and end, read when the end
-        event has completed (at a later iteration's end, or at exit): the host never
-        waits for the GPU to time a step."""
-        if self.device.type != "cuda":
-            self._add_step_time(time.perf_counter() - self._t0, kind)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self.device))
-        self._step_events.append((self._t0_event, end, kind))
-        self._collect_step_times(wait=False)
-
-    def _collect_step_times(self, wait: bool) -> None:
-        while self._step_events and (wait or self._step_events[0][1].query()):
-            start, end, kind = self._step_events.popleft()
-            end.synchronize()  # (complete already, unless waiting at exit)
-            self._add_step_time(start.elapsed_time(end) / 1e3, kind)
-
-    def _add_step_time(self, dt: float, kind: str) -> None:
-        st = self.stats
-        st.step_times_s.append(dt)
-        self._time_sums[kind] = self._time_sums.get(kind, 0.0) + dt
-        self._time_counts[kind] = self._time_counts.get(kind, 0) + 1
-        if self._time_counts.get("planned"):
-            st.step_time_s = self._time_sums["planned"] / self._time_counts["planned"]
-        else:
-            st.step_time_s = sum(self._time_sums.values()) / sum(self._time_counts.values())
 
     def _handle(self, func, args, kwargs, types=()):
         if not self._in_iter:  # (an op between iterations: the plan's start state is restored at _begin)
@@ -1185,7 +1139,8 @@ def offload(
         model: the module, on ``cpu`` or ``cuda``.
         optimizer: its optimizer (``None``: call ``run.end_iteration()`` after each step).
         budget: device bytes the run may use: a size (``"20GiB"``, ``4_000_000``) or a
-            share of the profiled iteration's unconstrained peak (``"30%"``; the profile
+            share of the profiled iteration's unconstrained peak (``"30%"``, ``0.3``; the
+            rules are :mod:`tierflow.budget`'s, shared with the compiled front-end; the profile
             iteration then runs unconstrained). ``None``: no limit (the plan only moves
             what the policy wants moved). A budget below the minimum working set raises
             :class:`BudgetError` before the first optimizer step.
