@@ -97,3 +97,28 @@ def test_compiled_reports_say_which_graph_is_a_recompile():
         run.model(torch.randn(n, 8)).sum().backward()
     assert [g.recompile for g in run.graphs] == [False, True]
     assert run.graphs[0].frame == run.graphs[1].frame
+
+
+def test_cli_train_compile_shows_the_gradients_each_graph_moves(monkeypatch, capsys):
+    from tierflow.cli import main
+    from tierflow.compiled import plan as plan_mod
+
+    # mlp-tiny's gradients are under the planner's 64 KiB floor: lower it, so that the
+    # plan moves some, and keep the run to read what the table should say
+    monkeypatch.setattr(frontend, "plan_graph", lambda f, t, **kw: plan_mod.plan_graph(f, t, min_bytes=512, **kw))
+    runs = []
+    real = tc.compile
+
+    def keep(*a, **kw):
+        runs.append(real(*a, **kw))
+        return runs[-1]
+
+    monkeypatch.setattr(tc, "compile", keep)
+    assert main(["train", "--model", "mlp-tiny", "--compile", "aot_eager", "--budget", "10%", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    (g,) = runs[0].graphs
+    assert g.grads_offloaded > 0
+    assert "grads moved" in out and "(0 recompiles)" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("│") and "│     0 │" in line)
+    cells = [c.strip() for c in row.strip().strip("│").split("│")]
+    assert cells[6].startswith(f"{g.grads_offloaded} (")

@@ -13,7 +13,11 @@ The budget: a share (``"50%"``, ``0.5``) is a share of the compiled model's own 
 its graphs' traces predict it (:mod:`tierflow.compiled.graph_trace`: bytes above the
 step's start, parameters and inputs left out); bytes (an int, ``"2GiB"``) are the same
 limit given directly. With graph breaks, a later graph's target leaves out what the
-earlier graphs keep saved (see :meth:`CompiledOffload._target`). The rules for reading
+earlier graphs keep saved (see :meth:`CompiledOffload._target`), a graph that ends at a
+break plans for the rest of the model run between its forward and backward
+(:func:`with_rest_of_model`), and a backward counts the later graphs' parameter
+gradients held under it (:func:`with_other_grads`); a Dynamo recompile (same frame)
+is not counted as running beside the graph it replaces. The rules for reading
 ``budget=`` are :mod:`tierflow.budget`'s, the same as the eager runtime's and the planner's.
 
 When this torch lacks the partitioner hook, :func:`compile` falls back to the eager
@@ -318,7 +322,8 @@ class CompiledOffload:
         partitioner = PlanPartitioner(
             decide=lambda facts: self._decide(facts, report),
             # Everything the target depends on besides the graph (see _target).
-            key=f"{self.budget.key()}:graph={report.index}:headroom={self.headroom}:carried={self._carried(report)}",
+            key=(f"{self.budget.key()}:graph={report.index}:headroom={self.headroom}:carried={self._carried(report)}"
+                 f":other_grads={self._other_grads(report)}:break={report.ends_at_break}"),
             on_partition=lambda rec: self._partitioned(rec, report),
             slot_base=report.index * SLOTS_PER_GRAPH,
         )

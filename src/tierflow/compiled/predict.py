@@ -124,7 +124,11 @@ def plan_trace(facts: GraphFacts, plan: GraphPlan, op_s: Sequence[float] | None 
     facts' trace, with the graph's last op reading each gradient the plan moves (the
     graph returns it there: its ``tierflow::reload`` runs just before the return, and
     the simulator fetches a tensor for an op that uses it)."""
-    trace = step_trace(facts.trace, op_s)
+    return _returns_read(step_trace(facts.trace, op_s), facts, plan)
+
+
+def _returns_read(trace: Trace, facts: GraphFacts, plan: GraphPlan) -> Trace:
+    """``trace`` with its last op reading the gradients ``plan`` moves."""
     moved = {g.tensor for g in _moved_grads(facts, plan)}
     if not moved:
         return trace
@@ -141,8 +145,8 @@ def graph_plan_as_plan(facts: GraphFacts, plan: GraphPlan, trace: Trace | None =
     Args:
         facts: the graph as the planner saw it.
         plan: what it keeps, offloads and recomputes.
-        trace: the trace to plan for (default :func:`plan_trace`; same ops and tensors,
-            the last op reading the moved gradients).
+        trace: the trace to plan for (default ``facts.trace`` with its last op reading
+            the moved gradients, as :func:`plan_trace` has it; same ops and tensors).
         device_bytes: the plan's budget.
 
     Raises:
@@ -151,7 +155,7 @@ def graph_plan_as_plan(facts: GraphFacts, plan: GraphPlan, trace: Trace | None =
     """
     from ..policies._rematerialize import recompute_chains
 
-    trace = trace if trace is not None else plan_trace(facts, plan)
+    trace = trace if trace is not None else _returns_read(facts.trace, facts, plan)
     by_name = {s.name: s for s in facts.saved}
     moves: list[Move] = []
     for name in sorted(plan.offload):
