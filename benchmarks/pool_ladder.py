@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/pool_ladder.py --sets own --time-limit 60
     .venv/bin/python benchmarks/pool_ladder.py --solver ladder      # the ladder alone, from greedy
     .venv/bin/python benchmarks/pool_ladder.py --node-limit 1000000 --det-time 0.1 --time-limit 600   # deterministic
+    .venv/bin/python benchmarks/pool_ladder.py --baseline --baseline-off descent  # with and without the descent
 
 Sets:
 
@@ -113,16 +114,18 @@ def _geo(ratios: list[float]) -> float:
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else 1.0
 
 
-def without_ladder(p: pool.Problem, args: argparse.Namespace) -> pool.Solution:
-    """best as it was before the ladder: the same call with the ladder switched off."""
+def without(p: pool.Problem, args: argparse.Namespace) -> pool.Solution:
+    """best as it was before the ladder (``--baseline-off ladder``) or before the
+    min-conflicts descent (``--baseline-off descent``): the same call with that part off."""
     from tierflow.pool import best
 
-    saved = best.LADDER_MAX_BUFFERS
+    knob, off = ("LADDER_MAX_BUFFERS", 0) if args.baseline_off == "ladder" else ("DESCENT_AT", 1.0)
+    saved = getattr(best, knob)
     try:
-        best.LADDER_MAX_BUFFERS = 0
+        setattr(best, knob, off)
         return pool.solve(p, "best", time_limit=args.time_limit, seed=args.seed, node_limit=args.node_limit)
     finally:
-        best.LADDER_MAX_BUFFERS = saved
+        setattr(best, knob, saved)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", action="store_true",
                     help="also run best without the ladder (as before it) on each case, just before, same limits")
+    ap.add_argument("--baseline-off", default="ladder", choices=["ladder", "descent"],
+                    help="what --baseline switches off (default the ladder)")
     ap.add_argument("--node-limit", type=int, default=None,
                     help="best: deterministic mode, search nodes (with --det-time for the ladder after it)")
     ap.add_argument("--det-time", type=float, default=None,
@@ -151,14 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             p for p in own_sets() if not args.cases or p.name in args.cases]
         det = "" if args.det_time is None else f", --node-limit {args.node_limit}, --det-time {args.det_time:g}"
         print(f"\n### {group} ({args.solver}, --time-limit {args.time_limit:g}{det})\n")
-        extra = " without ladder: peak/LB |" if args.baseline else ""
+        extra = f" without {args.baseline_off}: peak/LB |" if args.baseline else ""
         print(f"| case | buffers | lower bound |{extra} peak | peak/LB | proven optimal | found by | wall s | CPU s | valid |")
         print("|---|---:|---:|" + ("---:|" if args.baseline else "") + "---:|---:|---|---|---:|---:|---|")
         ratios, proven, base_ratios = [], 0, []
         for p in problems:
             before = ""
             if args.baseline:
-                b = without_ladder(p, args)
+                b = without(p, args)
                 ok &= pool.validate(p, b.offsets, b.peak).valid
                 base_ratios.append(b.ratio)
                 before = f" {b.ratio:.4f} |"

@@ -1,5 +1,5 @@
-"""The eager runtime's components on their own: the device ledger, the tiers, the
-collectives in flight, the op facts.
+"""The runtime's components on their own: the device ledger, the tiers (and the compiled
+front-end's back-end over them), the collectives in flight, the op facts.
 
 Each owns its state (docs/runtime.md, "Front-ends and back-ends"); these tests drive them
 without a model, so a wrong count shows here before it shows as a budget overshoot.
@@ -7,9 +7,12 @@ without a model, so a wrong count shows here before it shows as a budget oversho
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tierflow.runtime.backend import Backend
 from tierflow.runtime.collectives import InFlight
+from tierflow.runtime.errors import OffloadError
 from tierflow.runtime.ledger import DeviceLedger
 from tierflow.runtime.opfacts import OpFacts
 from tierflow.runtime.storages import _Entry
@@ -108,6 +111,65 @@ def test_tiers_agree_limits_takes_the_smallest_rank_s():
         assert tiers.agree_limits(None) == (8 * MiB, 0)
         assert tiers.agree_limits(lambda x: min(x, 2 * MiB)) == (2 * MiB, 0)
         assert tiers.host.limit == 2 * MiB
+    finally:
+        tiers.close()
+
+
+class _RecordingCopier:
+    """The copier's calling convention, copying at once and handing out an event per
+    copy; it notes each copy's ``after``."""
+
+    def __init__(self) -> None:
+        self.afters: list = []
+        self.waited: list = []
+
+    def copy(self, dst, src, dev_tensor, after=None):
+        dst.copy_(src)
+        self.afters.append(after)
+        return _Event()
+
+    def wait(self, event) -> None:
+        self.waited.append(event)
+
+
+def test_backend_buffers_are_arena_slots_of_the_tiers_host_pool():
+    tiers = Tiers(torch.device("cpu"), HostPool(8 * MiB, pin=False), None)
+    try:
+        be = Backend(torch.device("cpu"), tiers)
+        x = torch.randn(100, 3)
+        back = be.take(be.put(1, x))
+        assert torch.equal(back, x) and tiers.usage()["host"] == 4096  # (one page: the arena's unit)
+        be.take(be.put(1, x))  # the slot's buffer again: the arena gives nothing more
+        assert tiers.usage()["host"] == 4096 == be.stats.host_bytes
+    finally:
+        tiers.close()
+
+
+def test_backend_reuses_a_buffer_only_after_the_copy_back_that_read_it():
+    tiers = Tiers(torch.device("cpu"), HostPool(8 * MiB, pin=False), None)
+    try:
+        tiers.copier = copier = _RecordingCopier()
+        be = Backend(torch.device("cpu"), tiers)
+        ticket = be.put(0, torch.ones(8))
+        assert copier.afters == [None]  # a new buffer: nothing to wait for
+        copy_out = be._tickets[ticket].event
+        be.start(ticket)
+        assert copy_out is not None and copier.afters[1] is copy_out  # the copy back waits for it
+        read = be._arriving[ticket].event
+        be.put(0, torch.zeros(8))  # the same slot's buffer, while the copy back may read it
+        assert copier.afters[2] is read
+        assert be.finish(ticket).sum().item() == 8.0 and copier.waited == [read]
+    finally:
+        tiers.close()
+
+
+def test_backend_refuses_a_slot_a_full_fixed_pool_cannot_hold():
+    tiers = Tiers(torch.device("cpu"), HostPool(4096, pin=False, fixed=True), None)
+    try:
+        be = Backend(torch.device("cpu"), tiers)
+        with pytest.raises(OffloadError, match="host pool full"):
+            be.put(0, torch.ones(2048))  # 8 KiB
+        assert be.outstanding() == 0 and be.stats.offloads == 0
     finally:
         tiers.close()
 

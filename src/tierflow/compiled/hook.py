@@ -77,6 +77,11 @@ class PartitionRecord:
             rewrite; recompute may add tensors at its frontier).
         grads_offloaded: gradients rewritten to go through the host tier inside the
             backward graph: their slot and bytes.
+        prefetch_ops: per offloaded saved tensor, the backward ops between the start of
+            its copy back and its first use (0: the copy starts at the use).
+        prefetch_peak_bytes: the real partition's live-bytes peak on its trace with the
+            offloads and every prefetch counted from its start
+            (:func:`tierflow.compiled.prefetch.prefetch_points`).
         tags_dropped: partitioning with the recompute tags failed, the graph was
             partitioned without them.
     """
@@ -90,9 +95,11 @@ class PartitionRecord:
     saved_count_after: int = 0
     tags_dropped: bool = False
     grads_offloaded: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prefetch_ops: dict[str, int] = field(default_factory=dict)
+    prefetch_peak_bytes: int = 0
 
 
-_PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py")
+_PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py", "prefetch.py")
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -161,7 +168,7 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
         record.saved_count_after = len(real.saved)
         if plan.offload or plan.offload_grads:
-            self._rewrite(fwd, bwd, n_out, plan, record)
+            self._rewrite(fwd, bwd, n_out, plan, record, real)
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
         record.saved_after = sum(
             _bytes(n) for n in out[n_out:] if isinstance(n, fx.Node) and n.target is not torch.ops.tierflow.offload.default
@@ -192,25 +199,35 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
 
     def _rewrite(self, fwd: fx.GraphModule, bwd: fx.GraphModule, n_out: int, plan: GraphPlan,
-                 record: PartitionRecord) -> None:
-        from . import ops  # noqa: F401 - registers tierflow::offload and tierflow::reload
+                 record: PartitionRecord, real: GraphFacts) -> None:
+        from . import ops  # noqa: F401 - registers the tierflow:: ops
+        from .prefetch import prefetch_points
 
         output = fwd.graph.find_nodes(op="output")[0]
         outs = list(output.args[0])
         user_out = {n for n in outs[:n_out] if isinstance(n, fx.Node)}
         position = {n: i for i, n in enumerate(fwd.graph.nodes)}
         bwd_placeholders = {n.name: n for n in bwd.graph.find_nodes(op="placeholder")}
-        tokens: dict[str, fx.Node] = {}
+        todo: dict[int, tuple[int, ...]] = {}  # output index -> dense order, of each to offload
         for i in range(n_out, len(outs)):
             x = outs[i]
             if not isinstance(x, fx.Node) or x.name not in plan.offload or x in user_out:
                 continue
-            if x.name in tokens or x.name not in bwd_placeholders:
+            if any(outs[j] is x for j in todo) or x.name not in bwd_placeholders:
                 continue
             val = x.meta.get("val")
             order = hinted_order(val) if isinstance(val, torch.Tensor) else None
-            if order is None:
-                continue
+            if order is not None:
+                todo[i] = order
+        # The copies back start where prefetch_points puts them on the real partition's
+        # trace: its backward ops are the backward graph's call_function nodes, in order.
+        known = {s.name for s in real.saved}
+        prefetch = prefetch_points(real, [outs[i].name for i in todo if outs[i].name in known], plan.target_bytes)
+        bwd_ops = [n for n in bwd.graph.nodes if n.op == "call_function"]
+        tokens: dict[str, fx.Node] = {}
+        for i, order in todo.items():
+            x = outs[i]
+            val = x.meta["val"]
             users = [u for u in x.users if u.op != "output"]
             last_use = max(users, key=lambda u: position[u]) if users else x
             slot = self.slot_base + i
@@ -228,12 +245,19 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
                 fwd.graph.erase_node(tok)
                 del tokens[x.name]
                 continue
-            back = _insert_reload(bwd.graph, first, p, tok.meta["val"], after, order, val)
-            p.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
+            begin = first
+            k = prefetch.start.get(x.name, real.n_fwd + len(bwd_ops)) - real.n_fwd
+            if 0 <= k < len(bwd_ops) and bwd_order[bwd_ops[k]] < bwd_order[first]:
+                begin = bwd_ops[k]
+            started = _insert_prefetch(bwd.graph, begin, p, tok.meta["val"], _sequencer(bwd, begin, bwd_order), val.device)
+            back = _insert_wait(bwd.graph, first, started, after, order, val)
+            p.replace_all_uses_with(back, delete_user_cb=lambda u, started=started: u is not started)
             p.meta["val"] = tok.meta["val"]
             p.meta.pop("tensor_meta", None)
             record.offloaded.append(x.name)
             record.slots[x.name] = slot
+            record.prefetch_ops[x.name] = sum(1 for n in bwd_ops if bwd_order[begin] <= bwd_order[n] < bwd_order[first])
+        record.prefetch_peak_bytes = int(prefetch.curve.max()) if len(prefetch.curve) else 0
         output.args = (tuple(outs),)
         if plan.offload_grads:
             _rewrite_grads(bwd, plan.offload_grads, self.slot_base, record)
@@ -388,11 +412,36 @@ def _insert_reload(graph: fx.Graph, before: fx.Node, token: fx.Node, token_val: 
     return back
 
 
+def _insert_prefetch(graph: fx.Graph, before: fx.Node, token: fx.Node, token_val: Any, after: fx.Node | None,
+                     device: torch.device) -> fx.Node:
+    """A ``tierflow::prefetch`` of ``token`` right before ``before``, waiting for ``after``
+    (``None``: free to run at the graph's start): the token of the started copy."""
+    args = (token, after, device)
+    with graph.inserting_before(before):
+        started = graph.call_function(torch.ops.tierflow.prefetch.default, args)
+    started.meta["val"] = _fake(torch.ops.tierflow.prefetch.default, token_val,
+                                after.meta["val"] if after is not None else None, device)
+    return started
+
+
+def _insert_wait(graph: fx.Graph, before: fx.Node, started: fx.Node, after: fx.Node,
+                 order: tuple[int, ...], val: torch.Tensor) -> fx.Node:
+    """A ``tierflow::wait`` for the copy ``started`` right before ``before`` (its first
+    use), after ``after`` (see :func:`_sequencer`), giving back a tensor like ``val``."""
+    args = (started, after, list(order), val.dtype, val.device)
+    with graph.inserting_before(before):
+        back = graph.call_function(torch.ops.tierflow.wait.default, args)
+    back.meta["val"] = _fake(torch.ops.tierflow.wait.default, started.meta["val"], after.meta["val"], *args[2:])
+    return back
+
+
 def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
-    """The last tensor the backward graph computes before ``first`` (not a view): the
-    input that keeps a reload from being scheduled earlier."""
+    """The last tensor the backward graph computes before ``first`` (not a view, nor one
+    of tierflow's ops): the input that keeps a reload from being scheduled earlier."""
+    ours = {torch.ops.tierflow.reload.default, torch.ops.tierflow.prefetch.default,
+            torch.ops.tierflow.wait.default, torch.ops.tierflow.offload.default}
     before = [n for n in bwd.graph.nodes if order[n] < order[first] and n.op == "call_function"
-              and isinstance(n.meta.get("val"), torch.Tensor) and n.target is not torch.ops.tierflow.reload.default
+              and isinstance(n.meta.get("val"), torch.Tensor) and n.target not in ours
               and not is_view(n)]
     return before[-1] if before else None
 

@@ -443,3 +443,109 @@ def lowest_first(s0, s1, sz, rank, by_s0, first_at):
                 minoff[b] = h
     return offsets
 
+
+
+@jit
+def min_conflicts(sz, ptr, adj, rev, cap, off, w, conf, tabu, iters, seed, tenure, prof):
+    """Weighted min-conflicts moves at a fixed capacity (:mod:`.descent`), ``iters`` of
+    them or until no two time neighbours overlap; returns the bytes (units) of overlap
+    left, summed over overlapping pairs (0: ``off`` is a placement under ``cap``).
+
+    ``off`` (every ``off[i] <= cap - sz[i]``), the edge weights ``w`` (CSR order, with
+    ``rev[k]`` the edge back) and ``conf`` (per buffer, weighted overlap with its
+    neighbours; recomputed here) carry the state between calls. A move picks a random
+    buffer that overlaps a neighbour and is not tabu, and puts it at the offset where
+    its weighted overlap is least (ties at random): the overlap as a function of the
+    offset is piecewise linear, so one pass of second differences over ``prof`` (at
+    least ``cap + 2 * max(sz) + 4`` long) gives it at every offset. When no offset is
+    better than where the buffer is, the weights of its overlapping pairs grow by one:
+    the overlaps that keep coming back get dearer, which walks the search out of its
+    local minima (guided local search).
+    """
+    np.random.seed(seed)
+    n = len(sz)
+    smax = np.int64(0)
+    for i in range(n):
+        smax = max(smax, sz[i])
+    base = smax + 1
+    raw = np.int64(0)
+    for i in range(n):
+        conf[i] = 0
+        tabu[i] = 0
+    for i in range(n):
+        for k in range(ptr[i], ptr[i + 1]):
+            j = adj[k]
+            ov = min(off[i] + sz[i], off[j] + sz[j]) - max(off[i], off[j])
+            if ov > 0:
+                conf[i] += w[k] * ov
+                if i < j:
+                    raw += ov
+    cand = np.empty(n, dtype=np.int64)
+    for it in range(iters):
+        if raw == 0:
+            return raw, it
+        nc = 0
+        for i in range(n):
+            if conf[i] > 0 and tabu[i] <= it:
+                cand[nc] = i
+                nc += 1
+        if nc == 0:  # every overlapping buffer is tabu: take any of them
+            for i in range(n):
+                if conf[i] > 0:
+                    cand[nc] = i
+                    nc += 1
+        i = cand[np.random.randint(nc)]
+        si = sz[i]
+        cur = off[i]
+        top = base + cap - si
+        for p in range(top + 1):
+            prof[p] = 0
+        for k in range(ptr[i], ptr[i + 1]):
+            j = adj[k]
+            a = off[j]
+            sj = sz[j]
+            m = min(si, sj)
+            # overlap of [o, o + si) with [a, a + sj): rises from o = a - si to a plateau
+            # of m, falls to 0 at o = a + sj; second differences at its four bends
+            for p, d in ((a - si + 1, w[k]), (a - si + m + 1, -w[k]), (a + sj - m + 1, -w[k]), (a + sj + 1, w[k])):
+                if base + p <= top:
+                    prof[base + p] += d
+        slope = np.int64(0)
+        val = np.int64(0)
+        best = np.int64(1) << 62
+        bo = cur
+        ties = 0
+        for p in range(top + 1):
+            slope += prof[p]
+            val += slope
+            o = p - base
+            if o >= 0 and o != cur:
+                if val < best:
+                    best, bo, ties = val, o, 1
+                elif val == best:
+                    ties += 1
+                    if np.random.randint(ties) == 0:
+                        bo = o
+        if best >= conf[i]:
+            for k in range(ptr[i], ptr[i + 1]):
+                j = adj[k]
+                ov = min(cur + si, off[j] + sz[j]) - max(cur, off[j])
+                if ov > 0:
+                    w[k] += 1
+                    w[rev[k]] += 1
+                    conf[i] += ov
+                    conf[j] += ov
+        if best <= conf[i]:
+            for k in range(ptr[i], ptr[i + 1]):
+                j = adj[k]
+                a = off[j]
+                sj = sz[j]
+                ov0 = max(np.int64(0), min(cur + si, a + sj) - max(cur, a))
+                ov1 = max(np.int64(0), min(bo + si, a + sj) - max(bo, a))
+                if ov0 != ov1:
+                    conf[i] += w[k] * (ov1 - ov0)
+                    conf[j] += w[k] * (ov1 - ov0)
+                    raw += ov1 - ov0
+            off[i] = bo
+            tabu[i] = it + tenure + np.random.randint(tenure + 1)
+    return raw, iters

@@ -12,6 +12,10 @@
    of its time improving the incumbent, not at the bound, and one that meets the bound
    still meets it early. A capacity the search exhausts is proven infeasible and never
    tried again.
+   Once the search and the ladder (below) have had half the limit in CPU time and
+   neither has lowered the peak for 30% of it, the main thread leaves the search to
+   the min-conflicts descent of :mod:`.descent`, which lowers the best placement either
+   has found a unit at a time (wall-clock mode only).
 3. Time left over (the search stopped early or gave up, as it does on tens of
    thousands of buffers) goes to :func:`.repair.repair`, band-lifting moves on the
    incumbent that are kept only when they lower its peak.
@@ -44,7 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import lns, repair, search
+from . import descent, lns, repair, search
 from .greedy import best_fit, size_order
 from .ladder import LadderResult, ladder
 from .problem import Problem, Solution, lower_bound, peak_of
@@ -86,6 +90,25 @@ LADDER_DELAY_MAX = 4.0
 # the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
 LADDER_DET_BUDGET = 0.0
+# wall-clock mode: the main thread leaves the canonical search to the min-conflicts
+# descent (module descent) from the best placement found by it or the ladder once the
+# solver's threads have had DESCENT_AT of the time limit each in CPU time (not wall
+# time: on a loaded machine the search needs its CPU seconds before it stalls) and
+# neither has lowered the best peak for DESCENT_STALL of the limit (DESCENT_AT = 1.0:
+# never). Measured (BENCHMARKS.md): the descent lowers placements the search and the
+# ladder have stalled at (MiniMalloc's J, the generated guillotine-450-free); started
+# by the wall clock at load 4-8 it cut the search short (D, J worse)
+DESCENT_AT = 0.5
+DESCENT_STALL = 0.3
+# "takeover": the descent replaces the search in the main thread; "thread": it runs in
+# a thread of its own beside the search and the ladder. A third busy thread on two
+# cores slowed the other two: at load 4-6, D 1.0758 against 1.0540 and the generated
+# guillotine-450-free 1.0635 against 1.0430 without the descent
+DESCENT_MODE = "takeover"
+# the descent's moves cost O(capacity in units): it runs only up to this capacity
+DESCENT_MAX_CAP = 1 << 16
+# ... and on problems of at most this many buffers (its moves scan every buffer)
+DESCENT_MAX_BUFFERS = 2000
 
 
 def solve_best(
@@ -159,7 +182,45 @@ def solve_best(
     lad = _LadderRun.start(problem, keep, best_off * gcd, deadline, seed, threaded=node_limit is None,
                            active=best_cost > lb and 0 < n <= LADDER_MAX_BUFFERS, known=shared)
 
-    # 2. capacity search in rounds of doubling node budgets
+    # 2. capacity search in rounds of doubling node budgets, in wall-clock mode until
+    # the descent takes over the main thread (step 2b)
+    descending = node_limit is None and 0 < n <= DESCENT_MAX_BUFFERS and best_cost <= DESCENT_MAX_CAP
+    # the last time the best peak (search or ladder) went down, and that peak
+    gain = [t0, best_cost]
+    desc = _DescentRun()
+    c0 = time.process_time()
+    threads = 1 + (lad.thread is not None)
+
+    def publish(off: np.ndarray) -> None:
+        """Share a placement (kept buffers, units) with the ladder when it is the lowest."""
+        if cost(off) * gcd < shared[0]:
+            shared[:] = [cost(off) * gcd, off * gcd]
+
+    def lowest() -> np.ndarray:
+        """The lowest placement the search or the ladder has found (units)."""
+        other = lad.placement(keep, gcd, problem.alignment)
+        return other if other is not None and cost(other) < cost(best_off) else best_off
+
+    def searching() -> bool:
+        """The search goes on: before the deadline, and (in takeover mode) before the
+        descent's turn; in thread mode the descent's thread is started here."""
+        now = time.perf_counter()
+        if now >= deadline:
+            return False
+        if not descending or desc.started:
+            return True
+        low = min(best_cost, lad.cost(gcd))
+        if low < gain[1]:
+            gain[:] = [now, low]
+        if (time.process_time() - c0 < DESCENT_AT * time_limit * threads
+                or now - gain[0] < DESCENT_STALL * time_limit):
+            return True
+        if DESCENT_MODE != "thread":
+            return False
+        desc.start(lambda: descent.descend(
+            lower, upper, units, lowest(), floor_cap, deadline, seed=seed, stop=lambda: lad.settled() or desc.halt,
+            better=lowest, found=publish))
+        return True
     rng = np.random.default_rng(seed)
     keys = {"T": sec.buffer_total, "W": upper - lower, "A": area}
     nodes = 0
@@ -181,7 +242,7 @@ def solve_best(
                 order = orders[h]
             s = search.Search(units, cap, order, sec, area, h, width=upper - lower)
             while (s.result is None and not s.gave_up and s.nodes < allowed and nodes < budget
-                   and time.perf_counter() < deadline):
+                   and searching()):
                 before = s.nodes
                 s.advance(int(min(step, allowed - s.nodes, budget - nodes)))
                 nodes += s.nodes - before
@@ -192,25 +253,25 @@ def solve_best(
                 return s.offsets.copy(), False
             if s.result is False:
                 return None, True
-            if nodes >= budget or time.perf_counter() >= deadline or gave_up:
+            if nodes >= budget or not searching() or gave_up:
                 break
         return None, False
 
     floor_cap = lb  # proven: nothing below it is feasible
     # the ladder's best so far bounds the search's bisection too: a capacity at or above
     # a peak either has found is not worth a probe
-    while (min(best_cost, lad.cost(gcd)) > floor_cap and nodes < budget and time.perf_counter() < deadline
+    while (min(best_cost, lad.cost(gcd)) > floor_cap and nodes < budget and searching()
            and not gave_up and not lad.settled()):
         off, proven = probe(floor_cap, LB_WEIGHT * limit)
         if off is not None:
             best_off, best_cost, best_from = off, cost(off), "search"
-            shared[:] = [best_cost * gcd, best_off * gcd]
+            publish(best_off)
             break
         if proven:
             floor_cap += 1
             continue
         lo, hi = floor_cap + 1, min(best_cost, lad.cost(gcd)) - 1
-        while lo <= hi and nodes < budget and time.perf_counter() < deadline and not gave_up and not lad.settled():
+        while lo <= hi and nodes < budget and searching() and not gave_up and not lad.settled():
             hi = min(hi, lad.cost(gcd) - 1)
             if lo > hi:
                 break
@@ -218,7 +279,7 @@ def solve_best(
             off, proven = probe(cap, limit)
             if off is not None:
                 best_off, best_cost, best_from = off, cost(off), "search"
-                shared[:] = [best_cost * gcd, best_off * gcd]
+                publish(best_off)
                 hi = best_cost - 1
             else:
                 if proven:
@@ -227,6 +288,23 @@ def solve_best(
             report(_frac(t0, time_limit), best_cost * gcd * problem.alignment)
         limit *= 2
         rounds += 1
+
+    # 2b. the descent from the best placement either has found, the ladder's later
+    # placements taken up as they come; its own go to the ladder (shared)
+    if desc.started:  # thread mode: it ends at the deadline, or now when the search met its floor
+        desc.halt = best_cost <= floor_cap
+        off, facts = desc.join()
+    elif (descending and DESCENT_MODE != "thread" and best_cost > floor_cap and time.perf_counter() < deadline
+          and not lad.settled()):
+        off, facts = descent.descend(lower, upper, units, lowest(), floor_cap, deadline, seed=seed,
+                                     stop=lad.settled, better=lambda: lad.placement(keep, gcd, problem.alignment),
+                                     found=publish)
+    else:
+        off = facts = None
+    if facts is not None:
+        meta["descent"] = {k: facts[k] for k in ("steps", "tries", "moves")}
+        if cost(off) < best_cost:
+            best_off, best_cost, best_from = off, cost(off), "descent"
 
     # the ladder's answer: waited for (or run now, in deterministic mode), then kept
     # when it is lower; its proof raises the floor
@@ -287,6 +365,27 @@ def solve_best(
     )
 
 
+class _DescentRun:
+    """The descent of :mod:`.descent` in a thread of its own (``DESCENT_MODE = "thread"``)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.halt = False  # set to end it early
+        self.thread: threading.Thread | None = None
+        self.result: tuple[np.ndarray, dict] | None = None
+
+    def start(self, run: Callable[[], tuple[np.ndarray, dict]]) -> None:
+        def body() -> None:
+            self.result = run()
+        self.started = True
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def join(self) -> tuple[np.ndarray | None, dict | None]:
+        self.thread.join()
+        return self.result if self.result is not None else (None, None)
+
+
 class _LadderRun:
     """The ladder of :mod:`.ladder` on the reduced problem, in a thread beside the
     search or run later, and its answer in the search's terms."""
@@ -297,6 +396,8 @@ class _LadderRun:
         self.known = known
         # the ladder's best peak so far in alignment units, with the set-aside buffers
         self.best_units: float = math.inf
+        # the ladder's best placement so far (reduced units), None before its first
+        self.best_offsets: np.ndarray | None = None
         self.aside = 0
         self.active = red is not None
         self.stop = threading.Event()
@@ -339,7 +440,19 @@ class _LadderRun:
 
         self.result = ladder(self.red, self.start, time_limit=max(0.0, self.deadline - time.perf_counter()),
                              seed=self.seed, workers=LADDER_WORKERS, det_budget=det_budget, stop=self.stop,
-                             known=known, known_hint=known_hint, progress=found)
+                             known=known, known_hint=known_hint, progress=found, placed=self._placed)
+
+    def _placed(self, offsets: np.ndarray) -> None:
+        self.best_offsets = offsets
+
+    def placement(self, keep: np.ndarray, gcd: int, alignment: int) -> np.ndarray | None:
+        """The ladder's best placement so far in the search's terms (the kept buffers,
+        units of ``gcd`` alignment units), or None when there is none or its grid is not
+        the search's."""
+        off = self.best_offsets
+        if off is None or self.red is None or self.red.scale % (gcd * alignment):
+            return None
+        return self.red.expand(off)[keep] // (gcd * alignment)
 
     def _known_hint(self) -> np.ndarray | None:
         """The search's placement on the reduced grid, or None when it is off it."""

@@ -164,6 +164,7 @@ def ladder(
     progress: Callable[[int], None] | None = None,
     known: Callable[[], int] | None = None,
     known_hint: Callable[[], np.ndarray | None] | None = None,
+    placed: Callable[[np.ndarray], None] | None = None,
 ) -> LadderResult:
     """Lower the peak of ``start`` by a ladder of decisions (module docstring).
 
@@ -182,6 +183,8 @@ def ladder(
             bisection then aims below it rather than below the ladder's own best.
         known_hint: that solver's placement (reduced units) or None: the hint of
             bisection rungs when it peaks lower than the ladder's own best.
+        placed: called with each placement that lowers the best (reduced units), so a
+            solver beside it can go on from it.
     """
     t0 = time.perf_counter()
     deadline = t0 + max(0.0, time_limit)
@@ -225,6 +228,8 @@ def ladder(
             result.offsets, result.peak = a.offsets, red.peak(a.offsets)
             if progress is not None:
                 progress(result.peak)
+            if placed is not None:
+                placed(result.offsets)
 
     while result.peak > result.floor and not halted():
         scale = 2.0 ** round_

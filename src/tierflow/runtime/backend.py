@@ -1,29 +1,40 @@
-"""The back-end a front-end reaches to move bytes: the host tier, the copy stream, counters.
+"""The back-end a front-end reaches to move bytes: the host tier, the copies, counters.
 
 The compiled front-end (:mod:`tierflow.compiled`) decides *when* a saved activation
 leaves the device and comes back (custom ops inside the compiled graphs); this module
-does the moving. Its interface is three calls and a record:
+does the moving. Its interface is a few calls and a record:
 
 * :meth:`Backend.reserve` sizes the host tier for a slot before the step that uses it,
   so the step itself allocates nothing for it;
 * :meth:`Backend.put` copies a tensor out into a free buffer of its slot and returns a
-  ticket; :meth:`Backend.take` copies the ticket's bytes back into a new device tensor
-  with the original strides and frees the buffer for the next call;
+  ticket; :meth:`Backend.start` issues the copy of the ticket's bytes back into a new
+  device tensor, :meth:`Backend.finish` makes the compute stream wait for that copy and
+  gives the tensor back with the original strides (:meth:`Backend.take` is both at once);
 * :attr:`Backend.stats` (:class:`BackendStats`) counts what moved.
 
-Each piece of state has one owner that writes it: :class:`HostSlots` owns the host
-buffers and which are in use, :class:`CopyStream` owns the side stream and its events,
-:class:`BackendStats` is written only by :class:`Backend`.
+The host memory and the copies are the eager runtime's own components: a
+:class:`~tierflow.runtime.tier_set.Tiers` (its host pool, an arena of chunks pinned on
+CUDA, and its :class:`~tierflow.runtime.streams.Copier`, the side streams) reached
+through ``Tiers.host_slot`` / ``host_view`` / ``free_host_slot`` and ``Tiers.copier``.
+Each piece of state has one owner that writes it: the ``Tiers`` owns the pool's chunks
+and arena and the streams; :class:`HostSlots` owns which of its arena slots belong to
+which compiled slot and which are in use (it takes and gives back arena slots through
+the ``Tiers``, never writing the arena itself); :class:`Backend` owns the tickets and
+:class:`BackendStats`.
 
-On CUDA the buffers are pinned and the copy out runs on a side stream (the compute
-stream goes on while it drains; the device memory is kept from reuse until the copy
-ends by ``record_stream``); the copy back runs on the compute stream after the copy out
-finished. On the CPU the host tier is plain host memory allocated before the step:
-what the allocator sees during a step is the device side only, as on a GPU.
+On CUDA the copy out runs on the copier's outward stream (the compute stream goes on
+while it drains; the device memory is kept from reuse until the copy ends by
+``record_stream``), the copy back on its inward stream after the copy out, issued by
+``start`` ahead of the first use (a prefetch) and waited for by ``finish`` at it; a
+host buffer given back while a copy back still reads it is reused only after that copy
+(its event goes with it). On the CPU the host tier is plain host memory taken before the
+step and every copy is done at once: what the allocator sees during a step is the
+device side only, as on a GPU.
 
-The eager runtime (:class:`tierflow.runtime.executor.Run`) moves whole storages into an
-arena-managed host pool and an SSD file: its back-end is
-:class:`tierflow.runtime.tier_set.Tiers` (see docs/runtime.md, "Module layout").
+The eager runtime (:class:`tierflow.runtime.executor.Run`) opens a ``Tiers`` per
+``offload`` block (sized from its arguments, with an SSD file where asked); a
+:class:`Backend` holds one for its device for the process's life (:func:`backend_for`)
+or the one it is given (see docs/runtime.md, "Front-ends and back-ends").
 """
 
 from __future__ import annotations
@@ -36,6 +47,9 @@ from typing import Any
 
 import torch
 
+from .tier_set import Tiers
+from .tiers import HostPool, host_memory_bound
+
 
 @dataclass
 class BackendStats:
@@ -47,6 +61,8 @@ class BackendStats:
         host_bytes: host memory the slots hold (pinned on CUDA).
         in_flight_peak: most tickets out at once (a compiled block called several times
             in one step holds one per call).
+        prefetch_starts: copies back issued (:meth:`Backend.start`); ``reloads`` counts
+            those waited for.
     """
 
     offloads: int = 0
@@ -54,12 +70,13 @@ class BackendStats:
     offloaded_bytes: int = 0
     host_bytes: int = 0
     in_flight_peak: int = 0
+    prefetch_starts: int = 0
 
 
 @dataclass
 class _Ticket:
     slot: int
-    buffer: torch.Tensor
+    buffer: _Buffer
     shape: tuple[int, ...]
     order: tuple[int, ...]
     dtype: torch.dtype
@@ -68,59 +85,55 @@ class _Ticket:
 
 
 @dataclass
+class _Arriving:
+    tensor: torch.Tensor  # the device tensor the copy back writes (dense, in ``order``)
+    order: tuple[int, ...]
+    event: Any = None  # CUDA: the copy's event on the side stream
+
+
+@dataclass
+class _Buffer:
+    off: int  # in the host pool's arena
+    nbytes: int
+    ready: Any = None  # CUDA: the event of the last copy that read it (None: free now)
+
+
+@dataclass
 class HostSlots:
-    """Host buffers per slot (a saved activation of a graph's plan), reused across steps.
+    """Host buffers per slot (a saved activation of a graph's plan), reused across steps:
+    arena slots of the ``Tiers``' host pool, taken through :meth:`Tiers.host_slot`.
 
     A slot keeps a free list: a graph called twice in a step takes two buffers.
     """
 
-    pin: bool
-    free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    tiers: Tiers
+    free: dict[int, list[_Buffer]] = field(default_factory=dict)
     held_bytes: int = 0
 
-    def acquire(self, slot: int, nbytes: int) -> torch.Tensor:
+    def acquire(self, slot: int, nbytes: int) -> _Buffer:
         bufs = self.free.setdefault(slot, [])
         for i, b in enumerate(bufs):
-            if b.numel() >= nbytes:
+            if b.nbytes >= nbytes:
                 return bufs.pop(i)
         return self._new(nbytes)
 
-    def release(self, slot: int, buf: torch.Tensor) -> None:
+    def release(self, slot: int, buf: _Buffer) -> None:
         self.free.setdefault(slot, []).append(buf)
 
     def reserve(self, slot: int, nbytes: int) -> None:
         bufs = self.free.setdefault(slot, [])
-        if not any(b.numel() >= nbytes for b in bufs):
+        if not any(b.nbytes >= nbytes for b in bufs):
             bufs.append(self._new(nbytes))
 
-    def _new(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
-        self.held_bytes += buf.numel()
+    def view(self, buf: _Buffer, nbytes: int) -> torch.Tensor:
+        return self.tiers.host_view(buf.off, nbytes)
+
+    def _new(self, nbytes: int) -> _Buffer:
+        n = max(int(nbytes), 1)
+        buf = _Buffer(self.tiers.host_slot(n), n)
+        align = self.tiers.host.arena.align  # what the arena really sets aside
+        self.held_bytes += -(-n // align) * align
         return buf
-
-
-class CopyStream:
-    """CUDA: the side stream copies out run on; CPU: nothing (copies are synchronous)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        if self.stream is None:
-            dst.copy_(src)
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            src.record_stream(self.stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return event
-
-    def copy_in(self, dst: torch.Tensor, src: torch.Tensor, event: Any) -> None:
-        if event is not None:
-            torch.cuda.current_stream(dst.device).wait_event(event)
-        dst.copy_(src, non_blocking=dst.device.type == "cuda")
 
 
 def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -136,6 +149,9 @@ class Backend:
 
     Args:
         device: where the tensors live (``cpu`` or a CUDA device).
+        tiers: the host pool and copier to move them with; by default a ``Tiers`` of
+            its own, whose pool grows by chunks up to the host's available memory (less
+            a margin), with no SSD tier.
 
     Example:
         >>> be = Backend(torch.device("cpu"))
@@ -144,18 +160,25 @@ class Backend:
         4.0
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, tiers: Tiers | None = None) -> None:
         self.device = torch.device(device)
-        self.slots = HostSlots(pin=self.device.type == "cuda")
-        self.copies = CopyStream(self.device)
+        if tiers is None:
+            tiers = Tiers(self.device, HostPool(host_memory_bound(), pin=self.device.type == "cuda"), None)
+        self.tiers = tiers
+        self.slots = HostSlots(tiers)
         self.stats = BackendStats()
         self._tickets: dict[int, _Ticket] = {}
+        self._arriving: dict[int, _Arriving] = {}  # copies back started, not yet waited for
         self._next = itertools.count(1)
         # Custom ops may run from autograd's worker thread (CUDA backward).
         self._lock = threading.Lock()
 
     def reserve(self, slot: int, nbytes: int) -> None:
-        """Make a host buffer of ``nbytes`` ready for ``slot`` (outside a step)."""
+        """Make a host buffer of ``nbytes`` ready for ``slot`` (outside a step).
+
+        Raises:
+            OffloadError: the host pool cannot grow by ``nbytes``.
+        """
         with self._lock:
             self.slots.reserve(slot, int(nbytes))
             self.stats.host_bytes = self.slots.held_bytes
@@ -165,6 +188,7 @@ class Backend:
 
         Raises:
             ValueError: ``x`` is not a permutation of a dense tensor.
+            OffloadError: ``slot`` has no free buffer and the host pool cannot grow.
         """
         order = dense_order(x)
         if order is None:
@@ -174,8 +198,9 @@ class Backend:
         with self._lock:
             buf = self.slots.acquire(slot, nbytes)
             ticket = next(self._next)
-        host = buf[:nbytes].view(x.dtype).view(src.shape)
-        event = self.copies.copy_out(host, src)
+        host = self.slots.view(buf, nbytes).view(x.dtype).view(src.shape)
+        # after: the copy back that last read this buffer (CUDA: another stream)
+        event = self.tiers.copier.copy(host, src, x, after=buf.ready)
         with self._lock:
             self._tickets[ticket] = _Ticket(slot, buf, tuple(src.shape), order, x.dtype, x.device, event)
             self.stats.offloads += 1
@@ -185,30 +210,58 @@ class Backend:
         return ticket
 
     def take(self, ticket: int) -> torch.Tensor:
-        """The tensor :meth:`put` copied out, on its device, with its strides.
+        """The tensor :meth:`put` copied out, on its device, with its strides (the copy
+        back issued and waited for at once: :meth:`start` then :meth:`finish`).
 
         Raises:
             KeyError: an unknown ticket (already taken, or never put).
         """
+        return self.finish(self.start(ticket))
+
+    def start(self, ticket: int) -> int:
+        """Issue the copy back of ``ticket`` into a new device tensor, without waiting
+        for it; the ticket to :meth:`finish` it with (the same number).
+
+        The device tensor is allocated now, so its bytes count from here (a front-end
+        starts a copy early only where the budget holds them). On CUDA the copy runs on
+        the inward side stream after the copy out and after what the compute stream
+        issued so far; on the CPU it is done before this returns.
+
+        Raises:
+            KeyError: an unknown ticket (already started or taken, or never put).
+        """
         with self._lock:
             tk = self._tickets.pop(ticket)
-        nbytes = 1
-        for s in tk.shape:
-            nbytes *= s
-        nbytes *= torch.empty((), dtype=tk.dtype).element_size()
         out = torch.empty(tk.shape, dtype=tk.dtype, device=tk.device)
-        self.copies.copy_in(out, tk.buffer[:nbytes].view(tk.dtype).view(tk.shape), tk.event)
+        nbytes = out.numel() * out.element_size()
+        host = self.slots.view(tk.buffer, nbytes).view(tk.dtype).view(tk.shape)
+        done = self.tiers.copier.copy(out, host, out, after=tk.event)
         with self._lock:
+            tk.buffer.ready = done  # the next copy into it waits for this read
             self.slots.release(tk.slot, tk.buffer)
+            self._arriving[ticket] = _Arriving(out, tk.order, done)
+            self.stats.prefetch_starts += 1
+        return ticket
+
+    def finish(self, ticket: int) -> torch.Tensor:
+        """The tensor whose copy back :meth:`start` issued, once the compute stream
+        waits for that copy; with its original strides.
+
+        Raises:
+            KeyError: a ticket not started (or already finished).
+        """
+        with self._lock:
+            arr = self._arriving.pop(ticket)
             self.stats.reloads += 1
-        inverse = [0] * len(tk.order)
-        for i, d in enumerate(tk.order):
+        self.tiers.copier.wait(arr.event)
+        inverse = [0] * len(arr.order)
+        for i, d in enumerate(arr.order):
             inverse[d] = i
-        return out.permute(inverse)
+        return arr.tensor.permute(inverse)
 
     def outstanding(self) -> int:
-        """Tickets put and not yet taken (a forward whose backward never ran)."""
-        return len(self._tickets)
+        """Tickets put or started and not yet finished (a forward whose backward never ran)."""
+        return len(self._tickets) + len(self._arriving)
 
     def snapshot(self) -> BackendStats:
         """A copy of the counters (a front-end reports the difference from its start)."""
@@ -218,8 +271,10 @@ class Backend:
         """Free the buffers of tickets whose backward will never run."""
         with self._lock:
             for tk in self._tickets.values():
+                tk.buffer.ready = tk.event  # (its copy out may still be writing it)
                 self.slots.release(tk.slot, tk.buffer)
             self._tickets.clear()
+            self._arriving.clear()
 
 
 _BACKENDS: dict[str, Backend] = {}

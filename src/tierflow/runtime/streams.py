@@ -41,7 +41,16 @@ class Copier:
         if self.cuda:
             self.outward = torch.cuda.Stream(device)  # device -> host
             self.inward = torch.cuda.Stream(device)  # host -> device
-            self.compute = torch.cuda.current_stream(device)
+
+    @property
+    def compute(self) -> Any:
+        """The stream the caller computes on, asked at each call: a copier lives longer
+        than one stream context (the compiled back-end's for the process; an ``offload``
+        block's across a loop that may enter ``torch.cuda.stream``), and autograd runs a
+        backward on the stream its forward ran on. A stream fixed when the copier was made
+        would order the copies after the wrong producer and let the consumer skip the
+        wait."""
+        return torch.cuda.current_stream(self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, dev_tensor: torch.Tensor, after: Any = None) -> Any:
         """Copy ``src`` into ``dst`` (one is on the device: ``dev_tensor``); return an
@@ -59,7 +68,7 @@ class Copier:
             return None
         side = self.inward if dst is dev_tensor else self.outward
         ready = torch.cuda.Event()
-        ready.record(self.compute)
+        ready.record(self.compute)  # (before entering the side stream's context)
         with torch.cuda.stream(side):
             side.wait_event(ready)
             if after is not None:

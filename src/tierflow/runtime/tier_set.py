@@ -8,9 +8,11 @@ slots waiting for the copy that reads them before they are released. It is the o
 writer of that state; the front-end (the dispatch mode's moves, :mod:`.moves`) asks it
 for slots and copies and never reassigns its parts.
 
-The compiled front-end reaches its own back-end, :class:`~tierflow.runtime.backend.Backend`
-(slots reused across steps, tickets, a lock for autograd's worker thread); both are the
-back-end layer of docs/runtime.md, "Module layout".
+The compiled front-end's :class:`~tierflow.runtime.backend.Backend` (slots reused across
+steps, tickets, a lock for autograd's worker thread) moves its bytes through a ``Tiers``
+too: its buffers are arena slots of the host pool (:meth:`Tiers.host_slot`,
+:meth:`Tiers.host_view`, :meth:`Tiers.free_host_slot`) and its copies go through
+:attr:`Tiers.copier`. See docs/runtime.md, "Front-ends and back-ends".
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any
 
 import torch
 
-from ..units import parse_bytes
+from ..units import fmt_bytes, parse_bytes
 from . import tiers
+from .errors import OffloadError
 from .streams import Copier
 from .tiers import HostPool, SSDStore
 
@@ -126,6 +129,31 @@ class Tiers:
         """Add a chunk to the host pool for a slot of ``nbytes`` (False where the pool is
         fixed or at its limit)."""
         return self.host.grow(nbytes)
+
+    def host_slot(self, nbytes: int) -> int:
+        """An arena slot of ``nbytes`` in the host pool, the pool grown by a chunk where
+        none is free: its offset (see :meth:`host_view`). The compiled back-end's
+        buffers are taken here (:class:`~tierflow.runtime.backend.HostSlots`).
+
+        Raises:
+            OffloadError: the pool is full and may not grow (fixed, or at its limit).
+        """
+        off = self.host.arena.alloc(nbytes)
+        if off is None and self.grow_host(nbytes):
+            off = self.host.arena.alloc(nbytes)
+        if off is None:
+            raise OffloadError(
+                f"host pool full: no room for {fmt_bytes(nbytes)} ({fmt_bytes(self.host.capacity)} held, "
+                f"limit {fmt_bytes(self.host.limit)})")
+        return off
+
+    def host_view(self, off: int, nbytes: int) -> torch.Tensor:
+        """The host pool's bytes ``[off, off + nbytes)`` as a ``uint8`` tensor."""
+        return self.host.view(off, nbytes)
+
+    def free_host_slot(self, off: int, nbytes: int) -> None:
+        """Give back a slot :meth:`host_slot` gave (no copy may still read it)."""
+        self.host.arena.release(off, nbytes)
 
     def agree_limits(self, smallest: Any) -> tuple[int, int]:
         """The most the host pool and the SSD file may hold, made the smallest any rank

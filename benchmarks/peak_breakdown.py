@@ -1,0 +1,208 @@
+"""What is live at a step's allocator peak, block by block, from the torch profiler's
+allocation events (CPU: ``profile(profile_memory=True)``).
+
+Each allocation event carries its address, its signed size and its place in the op
+tree. Walking them in time order with a map ``address -> block`` gives, at the running
+sum's highest point, the set of blocks live there. Each block is labelled by the region
+that made it: a compiled graph's forward or backward (the ``CompiledFunction`` /
+``CompiledFunctionBackward`` record above it, numbered in the order the step first
+runs them), ``tierflow::reload`` inside one, or eager code between graphs
+(a loss, the optimizer). Against the region the peak falls in, a block is:
+
+* ``saved``: made by the peak graph's own forward and still live in its backward (what
+  the forward keeps saved, or its outputs the caller keeps);
+* ``reloaded``: made by ``tierflow::reload`` (an offloaded tensor back on the device);
+* ``working``: made by the region the peak falls in (its temporaries and gradients so far);
+* ``other graph``: made by another graph (e.g. a later graph's backward that produced
+  this graph's output gradient: a tangent; or an earlier graph's saved tensors);
+* ``eager``: made outside every compiled graph.
+
+    prof = torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with prof: step()
+    print(format_breakdown(peak_breakdown(prof)))
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+_GRAPH = "## Call CompiledFxGraph"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One allocation live at the peak.
+
+    Attributes:
+        bytes: its size.
+        made_in: the region that allocated it (``fwd 0``, ``bwd 1``, ``eager``).
+        reload: allocated by ``tierflow::reload``.
+        op: the innermost op that allocated it.
+        order: its allocation's index among the step's allocation events.
+    """
+
+    bytes: int
+    made_in: str
+    reload: bool
+    op: str
+    order: int
+
+
+@dataclass
+class Breakdown:
+    """The live set at the step's allocator peak.
+
+    Attributes:
+        peak_bytes: the running sum of allocation events at its highest (bytes above
+            the step's start).
+        region: where the peak falls (``bwd 0``: graph 0's backward).
+        op: the op whose allocation made the peak.
+        blocks: the live blocks (they sum to ``peak_bytes`` when every block live at
+            the peak was allocated inside the profiled step).
+        events: allocation events in the step.
+    """
+
+    peak_bytes: int
+    region: str
+    op: str
+    blocks: list[Block] = field(default_factory=list)
+    events: int = 0
+
+    def category(self, b: Block) -> str:
+        """``saved``, ``reloaded``, ``working``, ``other graph`` or ``eager`` (module docstring)."""
+        if b.reload:
+            return "reloaded"
+        if b.made_in == self.region:
+            return "working"
+        if b.made_in == "eager":
+            return "eager"
+        kind, _, graph = b.made_in.partition(" ")
+        if kind == "fwd" and self.region == f"bwd {graph}":
+            return "saved"
+        return "other graph"
+
+    def by_category(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """``(category, made_in) -> (blocks, bytes)``, largest first."""
+        acc: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        for b in self.blocks:
+            a = acc[(self.category(b), b.made_in)]
+            a[0] += 1
+            a[1] += b.bytes
+        return {k: (v[0], v[1]) for k, v in sorted(acc.items(), key=lambda kv: -kv[1][1])}
+
+
+def _allocation_events(prof: Any) -> list[Any]:
+    from torch._C._profiler import _EventType
+
+    out: list[Any] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            out.append(e)
+        stack.extend(e.children)
+    out.sort(key=lambda e: e.start_time_ns)
+    return out
+
+
+class _Regions:
+    """Names compiled-graph regions by their first appearance: ``fwd k`` / ``bwd k``.
+
+    A forward graph is the k-th distinct ``CompiledFxGraph`` under ``CompiledFunction``;
+    its backward takes the number of its forward when the profiler tells which
+    (``CompiledFunctionBackward`` of the same AOT id is not exposed), so backward
+    graphs are numbered in their own order of appearance, counted down from the last
+    forward (autograd runs the graphs' backwards in the reverse order of their forwards)."""
+
+    def __init__(self) -> None:
+        self.fwd: dict[str, int] = {}
+        self.bwd: dict[str, int] = {}
+
+    def name(self, event: Any) -> tuple[str, bool, str]:
+        """(region, made by tierflow::reload, innermost op) of an allocation event.
+
+        A region is the innermost ``CompiledFunction`` (forward) or
+        ``CompiledFunctionBackward`` record above the event; inductor's graphs are told
+        apart by the ``## Call CompiledFxGraph <hash> ##`` record under it (a graph
+        called twice is one region), other backends' by the record's start (each call
+        is a region of its own)."""
+        chain = []
+        p = event.parent
+        while p is not None:
+            chain.append(p)
+            p = p.parent
+        op = chain[0].name if chain else "?"
+        reload = any(e.name.startswith("tierflow::reload") for e in chain)
+        for i, e in enumerate(chain):
+            if e.name not in ("CompiledFunction", "CompiledFunctionBackward"):
+                continue
+            graph = next((c.name for c in chain[:i] if c.name.startswith(_GRAPH)), f"call@{e.start_time_ns}")
+            backward = e.name == "CompiledFunctionBackward"
+            table = self.bwd if backward else self.fwd
+            k = table.setdefault(graph, len(table))
+            return (f"bwd {k}" if backward else f"fwd {k}"), reload, op
+        return "eager", reload, op
+
+    def renumber_backward(self) -> dict[str, str]:
+        """``bwd j`` (order of appearance) -> ``bwd k`` (the forward graph it belongs to),
+        when every forward graph ran its backward once."""
+        n = len(self.fwd)
+        if len(self.bwd) != n:
+            return {}
+        return {f"bwd {j}": f"bwd {n - 1 - j}" for j in range(n)}
+
+
+def peak_breakdown(prof: Any) -> Breakdown:
+    """The blocks live at the highest running sum of the profiled step's allocations.
+
+    Args:
+        prof: a finished ``torch.profiler.profile(profile_memory=True)`` over one step.
+
+    Returns:
+        A :class:`Breakdown`; blocks allocated before the profile started (and freed
+        in it) are not listed, they only lower the running sum.
+    """
+    regions = _Regions()
+    events = _allocation_events(prof)
+    live: dict[int, Block] = {}
+    cur = peak = 0
+    peak_live: dict[int, Block] = {}
+    peak_at: tuple[str, str] = ("", "")
+    for i, e in enumerate(events):
+        size = int(e.extra_fields.alloc_size)
+        ptr = int(e.extra_fields.ptr)
+        cur += size
+        if size > 0:
+            region, reload, op = regions.name(e)
+            live[ptr] = Block(size, region, reload, op, i)
+        else:
+            live.pop(ptr, None)
+        if cur > peak:
+            peak, peak_live = cur, dict(live)
+            blk = live.get(ptr)
+            peak_at = (blk.made_in, blk.op) if blk is not None else ("?", "?")
+    rename = regions.renumber_backward()
+    blocks = [Block(b.bytes, rename.get(b.made_in, b.made_in), b.reload, b.op, b.order) for b in peak_live.values()]
+    blocks.sort(key=lambda b: (-b.bytes, b.order))
+    return Breakdown(peak, rename.get(peak_at[0], peak_at[0]), peak_at[1], blocks, len(events))
+
+
+def format_breakdown(bd: Breakdown, min_bytes: int = 1 << 18) -> str:
+    """The breakdown as text: a line per (category, region), then the blocks of at least
+    ``min_bytes``."""
+    mib = 2**20
+    lines = [f"allocator peak {bd.peak_bytes / mib:.1f} MiB in {bd.region} (at {bd.op}); "
+             f"{len(bd.blocks)} blocks live, {sum(b.bytes for b in bd.blocks) / mib:.1f} MiB"]
+    for (cat, made), (n, nbytes) in bd.by_category().items():
+        lines.append(f"  {cat:<12} made in {made:<7} {n:4d} blocks {nbytes / mib:8.2f} MiB")
+    big = [b for b in bd.blocks if b.bytes >= min_bytes]
+    if big:
+        lines.append(f"  blocks of {min_bytes / mib:.2f} MiB or more:")
+        lines += [f"    {b.bytes / mib:7.2f} MiB  {bd.category(b):<12} {b.made_in:<7} by {b.op} (event {b.order})"
+                  for b in big]
+    return "\n".join(lines)
+
+
+__all__ = ["Block", "Breakdown", "format_breakdown", "peak_breakdown"]
