@@ -300,6 +300,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
             "step_s": statistics.median(a.times), "x_plain": statistics.median(a.times) / statistics.median(plain.times),
             "compiled_calls": calls, "plain_calls": plain.handle.calls,
             "graphs_compiled": getattr(a.handle, "compiles", getattr(a.handle, "graphs", None)),
+            "recompiles": recompiles(a.handle),
             "first_steps_s": round(a.compile_s, 2),
         }
         if a.name.startswith("tierflow"):
@@ -337,6 +338,15 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict
     return {"model": w.name, "rows": rows}
 
 
+def recompiles(handle: Any) -> int | None:
+    """Graphs that recompiled a frame Dynamo compiled before (its compile ids)."""
+    if isinstance(handle, tc.CallCounter):
+        return handle.recompiles
+    if isinstance(handle, tc.CompiledOffload):
+        return sum(1 for g in handle.graphs if g.recompile)
+    return None
+
+
 def print_rows(res: dict[str, Any]) -> None:
     print(f"\n{res['model']}")
     print("| arm | peak MiB | x plain peak | budget MiB | within | step s | x plain | calls (plain) | graphs | bitwise |")
@@ -350,12 +360,17 @@ def print_rows(res: dict[str, Any]) -> None:
         within = {True: "yes", False: "NO"}.get(r.get("within"), "")
         over = f"{r['peak_over_plain']:.2f}" if "peak_over_plain" in r else ""
         print(f"| {r['arm']} | {r['peak_bytes'] / 2**20:.1f} | {over} | {bud} | {within} | {r['step_s']:.3f} | "
-              f"{r['x_plain']:.2f} | {calls} | {r.get('graphs_compiled', '')} | {bit} |")
+              f"{r['x_plain']:.2f} | {calls} | {r.get('graphs_compiled', '')}{_re(r)} | {bit} |")
         for g in r.get("graphs", []):
             print(f"|  graph {g['index']}: saved {g['saved']} ({g['saved_bytes'] / 2**20:.1f} MiB), kept {g['kept']}, "
                   f"offloaded {g['offloaded']} ({g['offloaded_bytes'] / 2**20:.1f} MiB), recomputed {g['recomputed']}; "
                   f"trace peak {g['predicted_peak_bytes'] / 2**20:.1f} -> {g['predicted_peak_bytes_planned'] / 2**20:.1f} MiB"
                   " | | | | | | | | | |")
+
+
+def _re(row: dict[str, Any]) -> str:
+    n = row.get("recompiles")
+    return "" if n is None else f" ({n} recompiles)"
 
 
 def main(argv: list[str] | None = None) -> int:

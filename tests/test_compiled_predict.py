@@ -125,3 +125,50 @@ def test_a_tensor_the_backward_never_reads_cannot_be_recomputed():
     fwd_only = next(t for o in trace.ops if o.phase == "forward" for t in o.outputs if t not in bwd)
     with pytest.raises(PlanError, match="no backward use"):
         recompute_chains(trace, {fwd_only})
+
+
+def _hand_graph():
+    """Two forward ops, four backward ops; gradient ``g`` (4000 B) is made by the first
+    backward op and returned by the graph at its last op."""
+    from tierflow.compiled.graph_trace import GraphFacts, SavedTensor, live_curve
+    from tierflow.trace import Op, TensorInfo, Trace
+
+    tensors = [TensorInfo(0, 800, "input", name="x", external=True),
+               TensorInfo(1, 1000, "activation", name="a"),
+               TensorInfo(2, 4000, "gradient", name="g", held_until=5),
+               TensorInfo(3, 6000, "temporary", name="t1"),
+               TensorInfo(4, 6000, "temporary", name="t2"),
+               TensorInfo(5, 100, "gradient", name="g2", held_until=5)]
+    ops = [Op("f0", "forward", 1e-3, (0,), (1,)), Op("f1", "forward", 1e-3, (1,), ()),
+           Op("b0", "backward", 1e-3, (1,), (2,)), Op("b1", "backward", 1e-3, (), (3,)),
+           Op("b2", "backward", 1e-3, (3,), (4,)), Op("b3", "backward", 1e-3, (4,), (5,))]
+    trace = Trace(ops, tensors, name="hand")
+    g = SavedTensor("g", 4000, "mm", "", tensor=2, last_fwd_use=2, first_bwd_use=5, offloadable=True)
+    return GraphFacts(trace, (), 2, live_curve(trace), (g,))
+
+
+def test_moved_gradient_leaves_after_its_last_reader_and_is_back_for_the_return():
+    facts = _hand_graph()
+    # by hand: op b1 holds g + t1 = 10000, b2 g + t1 + t2 = 16000, b3 g + t2 + g2 = 10100
+    assert predict_graph(facts, GraphPlan()).peak_bytes == 16000
+    plan = GraphPlan(offload_grads=frozenset({"g"}))
+    pred = predict_graph(facts, plan)
+    # g is on the host for b1 and b2 (12000 at b2), back for b3 (10100)
+    assert pred.peak_bytes == 12000
+    assert pred.step_s == pytest.approx(6e-3 + 2 * 4000 / BYTES_PER_S, rel=1e-9)
+    validate(graph_plan_as_plan(facts, plan), tc.predict.plan_trace(facts, plan), tc.predict.cpu_hardware())
+
+
+def test_moved_gradients_of_a_compiled_graph_are_predicted_as_the_plans_curve():
+    from test_compiled_frontend import planned as planned_run
+    from test_compiled_frontend import train
+
+    rec = train(planned_run("30%"), steps=1)[2].records[0]
+    assert rec.plan.offload_grads
+    plan = GraphPlan(offload=rec.plan.offload, offload_grads=rec.plan.offload_grads)
+    moved = [s for s in rec.facts.saved if s.name in plan.offload]
+    grads = [g for g in rec.facts.grads if g.name in plan.offload_grads]
+    pred = predict_graph(rec.facts, plan)
+    assert pred.peak_bytes == int(curve_with(rec.facts, moved + grads).max())
+    nbytes = sum(s.bytes for s in {s.tensor: s for s in moved}.values()) + sum(g.bytes for g in grads)
+    assert pred.step_s == pytest.approx(pred.ideal_s + 2 * nbytes / BYTES_PER_S, rel=1e-6)

@@ -13,7 +13,11 @@ The budget: a share (``"50%"``, ``0.5``) is a share of the compiled model's own 
 its graphs' traces predict it (:mod:`tierflow.compiled.graph_trace`: bytes above the
 step's start, parameters and inputs left out); bytes (an int, ``"2GiB"``) are the same
 limit given directly. With graph breaks, a later graph's target leaves out what the
-earlier graphs keep saved (see :meth:`CompiledOffload._target`). The rules for reading
+earlier graphs keep saved (see :meth:`CompiledOffload._target`), a graph that ends at a
+break plans for the rest of the model run between its forward and backward
+(:func:`with_rest_of_model`), and a backward counts the later graphs' parameter
+gradients held under it (:func:`with_other_grads`); a Dynamo recompile (same frame)
+is not counted as running beside the graph it replaces. The rules for reading
 ``budget=`` are :mod:`tierflow.budget`'s, the same as the eager runtime's and the planner's.
 
 When this torch lacks the partitioner hook, :func:`compile` falls back to the eager
@@ -80,6 +84,11 @@ class GraphReport:
             guard), which runs instead of that frame's earlier graphs. ``-1``: unknown.
         param_grad_bytes: bytes of the trainable parameters the graph takes as inputs
             (the gradients its backward makes for them).
+        ends_at_break: Dynamo ended the graph at a graph break (the rest of the frame
+            runs between its forward and its backward).
+        carried_bytes: saved bytes earlier graphs of the step keep while this one runs,
+            as its plan counted them; other_grads_bytes: other graphs' parameter
+            gradients held under its backward, as its plan counted them.
     """
 
     index: int
@@ -101,6 +110,9 @@ class GraphReport:
     frame: int = -1
     frame_compile: int = -1
     param_grad_bytes: int = 0
+    ends_at_break: bool = False
+    carried_bytes: int = 0
+    other_grads_bytes: int = 0
 
     @property
     def recompile(self) -> bool:
@@ -201,8 +213,8 @@ def compile_id() -> tuple[int, int]:
 
 
 def with_rest_of_model(facts: GraphFacts, min_bytes: int = 1 << 16) -> GraphFacts:
-    """``facts`` with the rest of the model estimated where the forward ends, when the
-    graph returns more than a loss to the caller.
+    """``facts`` with the rest of the model estimated where the forward ends, for a graph
+    Dynamo ended at a graph break that returns more than a loss to the caller.
 
     A graph break splits a model: the graphs after this one run their forward and
     backward between this graph's forward and its backward, on top of everything this
@@ -215,7 +227,9 @@ def with_rest_of_model(facts: GraphFacts, min_bytes: int = 1 << 16) -> GraphFact
     over its backward ops: similar layers have similar working sets) and adds what
     that exceeds :func:`with_loss_between`'s estimate to the forward's end, so that it
     offloads what it keeps across it. A graph whose outputs are all scalars (a loss)
-    is followed by its backward at once, and is left as it is.
+    is followed by its backward at once, and is left as it is. The front-end applies
+    it only to a graph that ends at a break (``gm.compile_subgraph_reason``): after a
+    graph that ends with its frame, only the caller's loss runs.
     """
     trace, n_fwd = facts.trace, facts.n_fwd
     if n_fwd >= trace.n_ops or n_fwd <= 0:
@@ -302,12 +316,14 @@ class CompiledOffload:
         report = GraphReport(index=len(self.graphs), frame=frame, frame_compile=frame_compile)
         own = {id(x): x for x in example_inputs if isinstance(x, torch.nn.Parameter) and x.requires_grad}
         report.param_grad_bytes = sum(p.numel() * p.element_size() for p in own.values())
+        report.ends_at_break = bool(getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False))
         self.graphs.append(report)
         self.compiles += 1
         partitioner = PlanPartitioner(
             decide=lambda facts: self._decide(facts, report),
             # Everything the target depends on besides the graph (see _target).
-            key=f"{self.budget.key()}:graph={report.index}:headroom={self.headroom}:carried={self._carried(report)}",
+            key=(f"{self.budget.key()}:graph={report.index}:headroom={self.headroom}:carried={self._carried(report)}"
+                 f":other_grads={self._other_grads(report)}:break={report.ends_at_break}"),
             on_partition=lambda rec: self._partitioned(rec, report),
             slot_base=report.index * SLOTS_PER_GRAPH,
             fused_addmm=self.backend_name == "inductor",
@@ -386,10 +402,12 @@ class CompiledOffload:
     def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
         facts = with_loss_between(facts)
         other = self._other_grads(report)
+        report.other_grads_bytes, report.carried_bytes = other, self._carried(report)[0]
         # the share is of the graph's own peak (with the other graphs' gradients under
         # it, as the model's peak has them), not of the estimate of the rest of the model
         target = self._target(with_other_grads(facts, other), report)
-        planned = with_other_grads(with_rest_of_model(facts), other)
+        rest = with_rest_of_model(facts) if report.ends_at_break else facts
+        planned = with_other_grads(rest, other)
         return plan_graph(planned, target, allow_recompute=self.recompute)
 
     def _partitioned(self, rec: PartitionRecord, report: GraphReport) -> None:
@@ -412,7 +430,8 @@ class CompiledOffload:
         report.unreachable = plan.unreachable
         try:
             # what torch really did: a planned recompute it did not honour stays saved
-            done = dataclasses.replace(plan, recompute=frozenset(rec.recomputed))
+            done = dataclasses.replace(plan, recompute=frozenset(rec.recomputed),
+                                       offload_grads=frozenset(rec.grads_offloaded))
             report.predicted_step_s = predict_graph(facts, done).step_s
         except Exception as e:  # noqa: BLE001 - a prediction must never stop a compile
             report.predicted_step_s = None

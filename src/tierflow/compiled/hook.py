@@ -9,8 +9,9 @@ of the tensors the plan recomputes ``MUST_RECOMPUTE`` (torch's min-cut honours t
 :func:`tag_recompute`), partitions the real graph, reads back which of them really left
 the saved set, then rewrites the two halves for the offloaded ones: each offloaded tensor goes through ``tierflow::offload``
 after its last forward use (the forward saves the op's token instead of the tensor) and
-comes back through ``tierflow::reload`` before its first backward use
-(:mod:`tierflow.compiled.ops`).
+comes back through ``tierflow::prefetch``, which starts the copy back ahead of its first
+backward use where :func:`tierflow.compiled.prefetch.prefetch_points` puts it, and
+``tierflow::wait`` at that use (:mod:`tierflow.compiled.ops`).
 
 With inductor it is installed as ``torch._inductor.config.custom_partitioner_fn``, which
 receives the joint graph after inductor's joint passes; :meth:`PlanPartitioner.uuid`
@@ -24,6 +25,7 @@ the front-end falls back to the eager runtime when they do not.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,6 +141,12 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         on_partition: receives each :class:`PartitionRecord`.
     """
 
+    #: Device types whose offloaded tensors come back through ``prefetch`` + ``wait``
+    #: (the copy started ahead of the first use); elsewhere one ``reload`` at the use.
+    #: CUDA only by default: on the CPU a copy is synchronous, so starting it early
+    #: overlaps nothing, and the split measured a higher inductor peak there (docs/compiled.md).
+    prefetch_devices: tuple[str, ...] = ("cuda",)
+
     def __init__(self, decide: Callable[[GraphFacts], GraphPlan], key: str,
                  on_partition: Callable[[PartitionRecord], None], slot_base: int = 0,
                  fused_addmm: bool = False) -> None:
@@ -161,7 +169,7 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
             code = get_hash_for_files(tuple(str(here / f) for f in _PLAN_FILES)).hex()[:16]
         except Exception:  # noqa: BLE001 - an older torch: key on the plan alone
             code = "nocode"
-        return f"tierflow-plan:{self.key}:{code}"
+        return f"tierflow-plan:{self.key}:{code}:prefetch={','.join(self.prefetch_devices)}"
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Inductor pickles its config for cache keys; the partitioner stands there as
@@ -250,7 +258,9 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         # The copies back start where prefetch_points puts them on the real partition's
         # trace: its backward ops are the backward graph's call_function nodes, in order.
         known = {s.name for s in real.saved}
-        prefetch = prefetch_points(real, [outs[i].name for i in todo if outs[i].name in known], plan.target_bytes)
+        ahead = any(outs[i].meta["val"].device.type in self.prefetch_devices for i in todo)
+        prefetch = prefetch_points(real, [outs[i].name for i in todo if outs[i].name in known], plan.target_bytes,
+                                   **({} if ahead else {"bytes_per_s": math.inf}))  # (inf: each at its use)
         bwd_ops = [n for n in bwd.graph.nodes if n.op == "call_function"]
         tokens: dict[str, fx.Node] = {}
         for i, order in todo.items():
@@ -273,13 +283,22 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
                 fwd.graph.erase_node(tok)
                 del tokens[x.name]
                 continue
+            if val.device.type not in self.prefetch_devices:
+                back = _insert_reload(bwd.graph, first, p, tok.meta["val"], after, order, val)
+                p.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
+                p.meta["val"] = tok.meta["val"]
+                p.meta.pop("tensor_meta", None)
+                record.offloaded.append(x.name)
+                record.slots[x.name] = slot
+                record.prefetch_ops[x.name] = 0
+                continue
             begin = first
             k = prefetch.start.get(x.name, real.n_fwd + len(bwd_ops)) - real.n_fwd
             if 0 <= k < len(bwd_ops) and bwd_order[bwd_ops[k]] < bwd_order[first]:
                 begin = bwd_ops[k]
-            started = _insert_prefetch(bwd.graph, begin, p, tok.meta["val"], _sequencer(bwd, begin, bwd_order), val.device)
-            back = _insert_wait(bwd.graph, first, started, after, order, val)
-            p.replace_all_uses_with(back, delete_user_cb=lambda u, started=started: u is not started)
+            started = _insert_prefetch(bwd.graph, begin, p, tok.meta["val"], _sequencer(bwd, begin, bwd_order), order, val)
+            done = _insert_wait(bwd.graph, first, started, p, after)
+            p.replace_all_uses_with(started, delete_user_cb=lambda u, ours=(started, done): u not in ours)
             p.meta["val"] = tok.meta["val"]
             p.meta.pop("tensor_meta", None)
             record.offloaded.append(x.name)
@@ -558,26 +577,25 @@ def _insert_reload(graph: fx.Graph, before: fx.Node, token: fx.Node, token_val: 
 
 
 def _insert_prefetch(graph: fx.Graph, before: fx.Node, token: fx.Node, token_val: Any, after: fx.Node | None,
-                     device: torch.device) -> fx.Node:
+                     order: tuple[int, ...], val: torch.Tensor) -> fx.Node:
     """A ``tierflow::prefetch`` of ``token`` right before ``before``, waiting for ``after``
-    (``None``: free to run at the graph's start): the token of the started copy."""
-    args = (token, after, device)
+    (``None``: free to run at the graph's start): the device tensor the copy writes, like
+    ``val`` (dense in ``order``)."""
+    args = (token, after, list(order), val.dtype, val.device)
     with graph.inserting_before(before):
         started = graph.call_function(torch.ops.tierflow.prefetch.default, args)
     started.meta["val"] = _fake(torch.ops.tierflow.prefetch.default, token_val,
-                                after.meta["val"] if after is not None else None, device)
+                                after.meta["val"] if after is not None else None, *args[2:])
     return started
 
 
-def _insert_wait(graph: fx.Graph, before: fx.Node, started: fx.Node, after: fx.Node,
-                 order: tuple[int, ...], val: torch.Tensor) -> fx.Node:
-    """A ``tierflow::wait`` for the copy ``started`` right before ``before`` (its first
-    use), after ``after`` (see :func:`_sequencer`), giving back a tensor like ``val``."""
-    args = (started, after, list(order), val.dtype, val.device)
+def _insert_wait(graph: fx.Graph, before: fx.Node, started: fx.Node, token: fx.Node, after: fx.Node) -> fx.Node:
+    """A ``tierflow::wait`` for the copy into ``started`` right before ``before`` (its
+    first use), after ``after`` (see :func:`_sequencer`)."""
     with graph.inserting_before(before):
-        back = graph.call_function(torch.ops.tierflow.wait.default, args)
-    back.meta["val"] = _fake(torch.ops.tierflow.wait.default, started.meta["val"], after.meta["val"], *args[2:])
-    return back
+        done = graph.call_function(torch.ops.tierflow.wait.default, (started, token, after))
+    done.meta["val"] = None
+    return done
 
 
 def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:

@@ -9,6 +9,10 @@ trace (the forward graph's ops, then the backward graph's) and its
   ``tierflow::offload`` op sits right after it) and fetched back when the op before its
   first backward use ends (``tierflow::reload`` runs on the compute stream just before
   that use, so the op waits for the whole copy);
+* a moved gradient (a plan's ``offload_grads``: an output of the backward graph) is
+  evicted when its last reader in the backward graph ends and fetched back when the
+  op before the graph's last op ends (``tierflow::reload`` waits for the graph's last
+  computed tensor, so it is back only as the graph returns);
 * a recomputed one (a plan's ``recompute`` names, where the plan has them) is dropped
   after its last forward use and re-made before its first backward use by the forward
   ops that make it from what stays saved (:func:`tierflow.policies._rematerialize.recompute_chains`),
@@ -110,6 +114,30 @@ def step_trace(trace: Trace, op_s: Sequence[float] | None = None) -> Trace:
     return Trace(list(ops), tensors, name=trace.name, meta=dict(trace.meta))
 
 
+def _moved_grads(facts: GraphFacts, plan: GraphPlan) -> list:
+    names = getattr(plan, "offload_grads", None) or ()
+    return [g for g in facts.grads if g.name in names and g.first_bwd_use - g.last_fwd_use > 1]
+
+
+def plan_trace(facts: GraphFacts, plan: GraphPlan, op_s: Sequence[float] | None = None) -> Trace:
+    """The trace :func:`predict_graph` simulates ``plan`` on: :func:`step_trace` of the
+    facts' trace, with the graph's last op reading each gradient the plan moves (the
+    graph returns it there: its ``tierflow::reload`` runs just before the return, and
+    the simulator fetches a tensor for an op that uses it)."""
+    return _returns_read(step_trace(facts.trace, op_s), facts, plan)
+
+
+def _returns_read(trace: Trace, facts: GraphFacts, plan: GraphPlan) -> Trace:
+    """``trace`` with its last op reading the gradients ``plan`` moves."""
+    moved = {g.tensor for g in _moved_grads(facts, plan)}
+    if not moved:
+        return trace
+    ops = list(trace.ops)
+    last = ops[-1]
+    ops[-1] = dataclasses.replace(last, inputs=tuple(sorted(set(last.inputs) | moved)))
+    return Trace(ops, list(trace.tensors), name=trace.name, meta=dict(trace.meta))
+
+
 def graph_plan_as_plan(facts: GraphFacts, plan: GraphPlan, trace: Trace | None = None,
                        device_bytes: float = math.inf) -> Plan:
     """``plan`` in the simulator's vocabulary (see the module docstring).
@@ -117,7 +145,8 @@ def graph_plan_as_plan(facts: GraphFacts, plan: GraphPlan, trace: Trace | None =
     Args:
         facts: the graph as the planner saw it.
         plan: what it keeps, offloads and recomputes.
-        trace: the trace to plan for (default ``facts.trace``; same ops and tensors).
+        trace: the trace to plan for (default ``facts.trace`` with its last op reading
+            the moved gradients, as :func:`plan_trace` has it; same ops and tensors).
         device_bytes: the plan's budget.
 
     Raises:
@@ -126,7 +155,7 @@ def graph_plan_as_plan(facts: GraphFacts, plan: GraphPlan, trace: Trace | None =
     """
     from ..policies._rematerialize import recompute_chains
 
-    trace = trace if trace is not None else facts.trace
+    trace = trace if trace is not None else _returns_read(facts.trace, facts, plan)
     by_name = {s.name: s for s in facts.saved}
     moves: list[Move] = []
     for name in sorted(plan.offload):
@@ -135,6 +164,11 @@ def graph_plan_as_plan(facts: GraphFacts, plan: GraphPlan, trace: Trace | None =
             continue  # no op in between: the copy frees nothing (the plan does not pick these)
         moves.append(Move("evict", s.tensor, s.last_fwd_use, "host"))
         moves.append(Move("prefetch", s.tensor, s.first_bwd_use - 1, "host", s.first_bwd_use))
+    # (a gradient with nothing run between its last reader and the return is not moved:
+    # the hook skips these too)
+    for g in _moved_grads(facts, plan):
+        moves.append(Move("evict", g.tensor, g.last_fwd_use, "host"))
+        moves.append(Move("prefetch", g.tensor, g.first_bwd_use - 1, "host", g.first_bwd_use))
     moves.sort(key=lambda m: (m.after_op, m.kind != "evict", m.tensor))
     recompute = _recomputed(plan)
     chains = ()
@@ -143,7 +177,8 @@ def graph_plan_as_plan(facts: GraphFacts, plan: GraphPlan, trace: Trace | None =
         saved = {s.tensor for s in facts.saved if s.name not in recompute}
         chains = recompute_chains(trace, dropped, saved)
     return Plan("compiled", tuple(moves), budget_bytes=device_bytes, recomputes=chains,
-                meta={"offloaded": len(plan.offload), "recomputed": len(recompute)})
+                meta={"offloaded": len(plan.offload), "recomputed": len(recompute),
+                      "grads_offloaded": len(getattr(plan, "offload_grads", None) or ())})
 
 
 def predict_graph(facts: GraphFacts, plan: GraphPlan, hardware: Hardware | None = None,
@@ -167,7 +202,7 @@ def predict_graph(facts: GraphFacts, plan: GraphPlan, hardware: Hardware | None 
     from ..simulate import simulate
 
     hw = hardware if hardware is not None else cpu_hardware()
-    trace = step_trace(facts.trace, op_s)
+    trace = plan_trace(facts, plan, op_s)
     held = int(sum(int(trace.sizes[t.id]) for t in trace.tensors if t.persistent))
     sim_plan = graph_plan_as_plan(facts, plan, trace, hw.device_capacity)
     res = simulate(trace, hw, sim_plan)
@@ -197,4 +232,5 @@ def predict_step(graphs: Sequence[tuple[GraphFacts, GraphPlan]], hardware: Hardw
     return StepPrediction(preds, float(sum(p.step_s for p in preds)), int(peak))
 
 
-__all__ = ["GraphPrediction", "StepPrediction", "cpu_hardware", "graph_plan_as_plan", "predict_graph", "predict_step", "step_trace"]
+__all__ = ["GraphPrediction", "StepPrediction", "cpu_hardware", "graph_plan_as_plan", "plan_trace", "predict_graph", "predict_step",
+           "step_trace"]

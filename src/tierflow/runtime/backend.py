@@ -136,6 +136,13 @@ class HostSlots:
         return buf
 
 
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return inv
+
+
 def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
     """The dimension order that makes ``t`` contiguous (``t.permute(order)`` is
     contiguous), or ``None`` when ``t`` is not a permutation of a dense tensor (a slice
@@ -243,6 +250,16 @@ class Backend:
             self.stats.prefetch_starts += 1
         return ticket
 
+    def arriving(self, ticket: int) -> torch.Tensor:
+        """The device tensor :meth:`start` is copying ``ticket`` into, with its original
+        strides; on CUDA not to be read before :meth:`finish`.
+
+        Raises:
+            KeyError: a ticket not started (or already finished).
+        """
+        arr = self._arriving[ticket]
+        return arr.tensor.permute(_inverse(arr.order))
+
     def finish(self, ticket: int) -> torch.Tensor:
         """The tensor whose copy back :meth:`start` issued, once the compute stream
         waits for that copy; with its original strides.
@@ -254,10 +271,7 @@ class Backend:
             arr = self._arriving.pop(ticket)
             self.stats.reloads += 1
         self.tiers.copier.wait(arr.event)
-        inverse = [0] * len(arr.order)
-        for i, d in enumerate(arr.order):
-            inverse[d] = i
-        return arr.tensor.permute(inverse)
+        return arr.tensor.permute(_inverse(arr.order))
 
     def outstanding(self) -> int:
         """Tickets put or started and not yet finished (a forward whose backward never ran)."""

@@ -252,12 +252,13 @@ def _train_compiled(args: argparse.Namespace) -> int:
 
     t = Table(title=f"tierflow train --compile {args.compile}: {args.model} on {args.device}, "
               f"budget {args.budget or 'none'}")
-    for col in ("graph", "calls", "saved", "kept", "offloaded", "recomputed", "trace peak", "planned peak", "target",
-                "predicted step"):
+    for col in ("graph", "calls", "saved", "kept", "offloaded", "recomputed", "grads moved", "trace peak",
+                "planned peak", "target", "predicted step"):
         t.add_column(col, justify="right")
     for g in st.compiled_graphs:
         t.add_row(str(g["index"]), str(g["calls"]), f"{g['saved']} ({fmt_bytes(g['saved_bytes'])})", str(g["kept"]),
                   f"{g['offloaded']} ({fmt_bytes(g['offloaded_bytes'])})", str(g["recomputed"]),
+                  f"{g.get('grads_offloaded', 0)} ({fmt_bytes(g.get('grads_offloaded_bytes', 0))})",
                   fmt_bytes(g["predicted_peak_bytes"]), fmt_bytes(g["predicted_peak_bytes_planned"]),
                   "none" if g["target_bytes"] is None else fmt_bytes(g["target_bytes"])
                   + (" (not reached)" if g["unreachable"] else ""),
@@ -265,7 +266,8 @@ def _train_compiled(args: argparse.Namespace) -> int:
     con = u.console()
     con.print(t)
     con.print(f"steps {st.steps}, median step {fmt_seconds(st.step_time_s)} (after the first, which compiles); "
-              f"compiled calls {st.compiled_calls}, graphs compiled {st.compiled_compiles}, "
+              f"compiled calls {st.compiled_calls}, graphs compiled {st.compiled_compiles} "
+              f"({sum(1 for g in st.compiled_graphs if g.get('frame_compile', -1) > 0)} recompiles), "
               f"offloads {st.compiled_offloads}; last loss {losses[-1]:.4f}")
     return 0
 
