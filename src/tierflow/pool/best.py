@@ -76,16 +76,12 @@ LADDER_MAX_BUFFERS = 2000
 # lanes of the ladder beside the search (each a thread; CP-SAT and the compiled search
 # release the GIL)
 LADDER_WORKERS = 1
-# share of the time limit the search runs alone before the ladder starts beside it,
-# and at most this many seconds. None now: the ladder's bottom-up member places
-# MiniMalloc's A, B, F and the generated full sets at the bound within about a second,
-# so starting it at once was never worse, case by case, than after 40% of the limit
-# (A-K and the generated sets at 10 s, load 4.5: geomean 1.0080 against 1.0118, the
-# generated strips-600-free 1.0000 against 1.0723). Before that member, the ladder's
-# thread only slowed the search on busy cores (F: at the bound in 5 s alone, 1.057
-# with the ladder from the start), hence the knob
-LADDER_DELAY = 0.0
-LADDER_DELAY_MAX = 4.0
+# NOTE: the ladder starts beside the search at once. It once waited for 40% of the
+# limit (on busy cores its thread slowed the search), but since its bottom-up member
+# places MiniMalloc's A, B, F and the generated full sets at the bound within about a
+# second, starting at once was never worse, case by case (A-K and the generated sets at
+# 10 s, load 4.5: geomean 1.0080 against 1.0118, the generated strips-600-free 1.0000
+# against 1.0723).
 # deterministic mode (a node limit): CP-SAT deterministic time the ladder gets after
 # the search unless asked otherwise, in CP-SAT's work unit (one unit took 10-100 CPU
 # seconds on the challenging set): none, so a node limit alone keeps its old meaning
@@ -404,7 +400,7 @@ class _LadderRun:
         self.result: LadderResult | None = None
         self.thread: threading.Thread | None = None
         if self.active and threaded:
-            self.thread = threading.Thread(target=self._run, kwargs={"det_budget": None, "delay": True}, daemon=True)
+            self.thread = threading.Thread(target=self._run, kwargs={"det_budget": None, "beside": True}, daemon=True)
             self.thread.start()
 
     @classmethod
@@ -426,9 +422,8 @@ class _LadderRun:
         run.aside = int(problem.units[aside].max(initial=0))
         return run
 
-    def _run(self, det_budget: float | None, delay: bool = False) -> None:
-        wait = min(LADDER_DELAY * max(0.0, self.deadline - time.perf_counter()), LADDER_DELAY_MAX)
-        if delay and self.stop.wait(wait):
+    def _run(self, det_budget: float | None, beside: bool = False) -> None:
+        if beside and self.stop.is_set():
             return  # the search met its floor first
         known = known_hint = None
         if self.known is not None and det_budget is None:  # beside the search only: it changes under us
