@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-import tierflow.compiled as tc
+from compiled_fit import fit_compiled
 from tierflow.compiled.plan import curve_with, plan_graph
 
 
@@ -35,32 +35,9 @@ class QKVAttention(nn.Module):
         return x.pow(2).mean()
 
 
-def _fit(make_model, batches, budget, loss=lambda y, x: y):
-    """Losses, final parameters and the handle of AdamW steps of a seeded model, plain
-    ``torch.compile`` (``budget=None``) or tierflow's on ``aot_eager``, one step a batch."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    run = None
-    if budget is None:
-        fn = torch.compile(model, backend="aot_eager")
-    else:
-        run = tc.compile(model, budget=budget, backend="aot_eager", headroom=0.0, recompute=False)
-        fn = run.model
-    losses = []
-    for x in batches:
-        out = loss(fn(x), x)
-        out.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(out.item())
-    return losses, [p.detach().clone() for p in model.parameters()], run
-
-
 def _train(budget, steps: int = 2):
     gen = torch.Generator().manual_seed(1)
-    return _fit(QKVAttention, [torch.randn(4, 64, 64, generator=gen) for _ in range(steps)], budget)
+    return fit_compiled(QKVAttention, [torch.randn(4, 64, 64, generator=gen) for _ in range(steps)], budget)
 
 
 def test_qkv_views_are_offloaded_once_as_their_storage_and_training_stays_bitwise():
@@ -146,7 +123,7 @@ def _fused_partitioner(monkeypatch) -> None:
 def _train_lm(budget, steps: int = 2):
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 512, (8, 64), generator=gen) for _ in range(steps)]
-    return _fit(TiedLM, batches, budget, loss=lambda y, ids: nn.functional.cross_entropy(y, ids.flatten()))
+    return fit_compiled(TiedLM, batches, budget, loss=lambda y, ids: nn.functional.cross_entropy(y, ids.flatten()))
 
 
 def test_the_logits_gradient_is_held_to_the_backward_graphs_end_on_the_trace(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import tierflow.compiled as tc
+from compiled_fit import fit, fit_compiled
 from tierflow.compiled import hook
 from tierflow.compiled.graph_trace import is_random
 from tierflow.compiled.plan import GraphPlan, copy_s, plan_graph, recompute_s
@@ -43,20 +44,6 @@ def recompute_all(run: tc.CompiledOffload, with_inputs: bool = False) -> None:
         return GraphPlan(recompute=names, target_bytes=0)
 
     run._decide = decide
-
-
-def fit(model: nn.Module, fn, inputs, loss=lambda y: y, lr: float = 1e-2):
-    """Losses and final parameters of AdamW steps of ``model`` called through ``fn``, one
-    step an input."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for x in inputs:
-        out = loss(fn(x))
-        out.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(out.item())
-    return losses, [q.detach().clone() for q in model.parameters()]
 
 
 def train(p: float = 0.0, planned: bool = True, force: bool = True, steps: int = 3, d: int = 32,
@@ -275,17 +262,8 @@ class _Stack(nn.Module):
 
 
 def _train_stack(budget: str | float | None) -> tuple[list[float], list[torch.Tensor], tc.CompiledOffload | None]:
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _Stack()
-    run = None
-    if budget is None:
-        fn = torch.compile(model, backend="aot_eager")
-    else:
-        run = tc.compile(model, budget=budget, backend="aot_eager", headroom=0.0, recompute=False)
-        fn = run.model
     gen = torch.Generator().manual_seed(1)
-    return *fit(model, fn, (torch.randn(4, 32, 64, generator=gen) for _ in range(2)), lr=1e-3), run
+    return fit_compiled(_Stack, [torch.randn(4, 32, 64, generator=gen) for _ in range(2)], budget)
 
 
 def test_gradients_leave_inside_the_backward_graph_and_training_stays_bitwise():
