@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import compiled as cb
+import peak_breakdown as pb
 
 PHASES = {"CompiledFunction": "fwd", "CompiledFunctionBackward": "bwd"}
 
@@ -59,35 +60,19 @@ def _phase_and_op(e: Any, seen: dict[tuple[str, int], str], counts: Counter) -> 
 
 def live_at_peak(step: Any) -> tuple[int, list[Alloc]]:
     """Run ``step`` under the profiler; its peak above the start and what is live there."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            events.append(e)
-        stack.extend(e.children)
-    events.sort(key=lambda e: e.start_time_ns)
     seen: dict[tuple[str, int], str] = {}
     counts: Counter = Counter()
-    live: dict[int, Alloc] = {}
-    cur = peak = 0
-    at_peak: list[Alloc] = []
-    for e in events:
-        size = int(e.extra_fields.alloc_size)
-        ptr = int(e.extra_fields.ptr)
-        cur += size
-        if size > 0:
-            phase, op = _phase_and_op(e, seen, counts)
-            live[ptr] = Alloc(ptr, size, e.start_time_ns, phase, op)
-        else:
-            live.pop(ptr, None)
-        if cur > peak:
-            peak, at_peak = cur, sorted(live.values(), key=lambda a: a.t_ns)
-    return peak, at_peak
+
+    def alloc(i: int, e: Any) -> Alloc:
+        phase, op = _phase_and_op(e, seen, counts)
+        return Alloc(int(e.extra_fields.ptr), int(e.extra_fields.alloc_size), e.start_time_ns, phase, op)
+
+    peak, live, _ = pb.live_at_peak(pb.allocation_events(prof), alloc)
+    return peak, sorted(live.values(), key=lambda a: a.t_ns)
 
 
 def account(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

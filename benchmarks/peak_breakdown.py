@@ -27,9 +27,11 @@ runs them), ``tierflow::reload`` inside one, or eager code between graphs
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 _GRAPH = "## Call CompiledFxGraph"
 # the ops that bring an offloaded tensor back (a prefetch allocates where it starts)
 _COPIES_BACK = ("tierflow::reload", "tierflow::prefetch", "tierflow::wait")
@@ -97,7 +99,7 @@ class Breakdown:
         return {k: (v[0], v[1]) for k, v in sorted(acc.items(), key=lambda kv: -kv[1][1])}
 
 
-def _allocation_events(prof: Any) -> list[Any]:
+def allocation_events(prof: Any) -> list[Any]:
     from torch._C._profiler import _EventType
 
     out: list[Any] = []
@@ -109,6 +111,30 @@ def _allocation_events(prof: Any) -> list[Any]:
         stack.extend(e.children)
     out.sort(key=lambda e: e.start_time_ns)
     return out
+
+
+def live_at_peak(events: list[Any], make: Callable[[int, Any], T]) -> tuple[int, dict[int, T], int]:
+    """Walk allocation events in time order keeping ``address -> make(index, event)``.
+
+    Returns:
+        ``(peak, live, ptr)``: the running sum's highest value (bytes above the walk's
+        start), the blocks live there, and the address of the event that reached it.
+    """
+    live: dict[int, T] = {}
+    cur = peak = 0
+    peak_live: dict[int, T] = {}
+    peak_ptr = -1
+    for i, e in enumerate(events):
+        size = int(e.extra_fields.alloc_size)
+        ptr = int(e.extra_fields.ptr)
+        cur += size
+        if size > 0:
+            live[ptr] = make(i, e)
+        else:
+            live.pop(ptr, None)
+        if cur > peak:
+            peak, peak_live, peak_ptr = cur, dict(live), ptr
+    return peak, peak_live, peak_ptr
 
 
 class _Regions:
@@ -171,24 +197,15 @@ def peak_breakdown(prof: Any) -> Breakdown:
         in it) are not listed, they only lower the running sum.
     """
     regions = _Regions()
-    events = _allocation_events(prof)
-    live: dict[int, Block] = {}
-    cur = peak = 0
-    peak_live: dict[int, Block] = {}
-    peak_at: tuple[str, str] = ("", "")
-    for i, e in enumerate(events):
-        size = int(e.extra_fields.alloc_size)
-        ptr = int(e.extra_fields.ptr)
-        cur += size
-        if size > 0:
-            region, reload, op = regions.name(e)
-            live[ptr] = Block(size, region, reload, op, i)
-        else:
-            live.pop(ptr, None)
-        if cur > peak:
-            peak, peak_live = cur, dict(live)
-            blk = live.get(ptr)
-            peak_at = (blk.made_in, blk.op) if blk is not None else ("?", "?")
+    events = allocation_events(prof)
+
+    def block(i: int, e: Any) -> Block:
+        region, reload, op = regions.name(e)
+        return Block(int(e.extra_fields.alloc_size), region, reload, op, i)
+
+    peak, peak_live, peak_ptr = live_at_peak(events, block)
+    blk = peak_live.get(peak_ptr)
+    peak_at = (blk.made_in, blk.op) if blk is not None else ("?", "?")
     rename = regions.renumber_backward()
     blocks = [Block(b.bytes, rename.get(b.made_in, b.made_in), b.reload, b.op, b.order) for b in peak_live.values()]
     blocks.sort(key=lambda b: (-b.bytes, b.order))
@@ -211,4 +228,4 @@ def format_breakdown(bd: Breakdown, min_bytes: int = 1 << 18) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Block", "Breakdown", "format_breakdown", "peak_breakdown"]
+__all__ = ["Block", "Breakdown", "allocation_events", "format_breakdown", "live_at_peak", "peak_breakdown"]
