@@ -291,7 +291,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
         self._frees = self._tiers.frees
         self._writes: list[_Entry] = []
-        self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room
+        self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room (follow.py's)
+        self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident (follow.py's)
         self._ledger = DeviceLedger()  # accounted device bytes, copies out in flight, the peak (runtime/ledger.py)
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         # the storage records: one component owns them (runtime/storages.py). Its
@@ -538,7 +539,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._in_iter = True
         self._step_depth = 0  # (a step that raised left its count behind)
         self._op = 0
-        self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident
+        self._begin_following()  # (no gradient held past its last use yet)
         self._first_in: set[int] = set()  # profiling: trace ids first seen as an op's input
         self._recording = (self._need_profile or self.plan is None) and not self._pager_iteration
         following = not self._recording and self.plan is not None and not self._pager_iteration
@@ -802,6 +803,18 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         """The trace id of a tensor an op just wrote (None: off the device, no storage)."""
         e = self._storages.entry(t)
         return self._iter_tid.get(e.cdata) if e is not None else None
+
+    def _mark_stale(self, why: str) -> None:
+        """The iteration departed from its plan's trace (``why``): the rest of it runs on
+        the general path, and the next is profiled again."""
+        self._stale = True
+        self._fast = False
+        self._hooks_on()  # (the general path labels what is saved from here on)
+        self.stats.stale_plans += 1
+        if len(self.stats.stale_reasons) < 5:
+            self.stats.stale_reasons.append(why)
+        if self._host_active:  # host updates not yet begun wait for the step (runtime/host_step.py)
+            self._host_departed()
 
     def _follows(self) -> bool:
         """Whether this iteration is following a plan (planned, or a reactive plan's

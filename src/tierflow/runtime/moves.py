@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import math
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -238,60 +236,6 @@ class Moves:
             return False
         self.stats.unplanned_evictions += 1
         return True
-
-    def _probe_move_s(self, rounds: int = 16, nbytes: int = 4096, tensors: int = 4) -> float:
-        """Seconds of this thread one planned move costs, measured: ``rounds`` times,
-        ``tensors`` scratch storages of ``nbytes`` are evicted and prefetched back through
-        the code a planned move takes on the lean path: the per-op move table fired after
-        an op (:meth:`_fire`), the pool slot, the copy, the resize, the bookkeeping, and
-        for a prefetch the queue of prefetches waiting for room (:meth:`_issue_pending`).
-        The CPU-mode hardware model charges it per transfer (``Hardware.move_issue_s``),
-        so that the planner weighs many small moves against a few large ones. The run's
-        stats, tables and queues are left as they were.
-
-        NOTE: it still runs warm, in a tight loop: on the 2-core VM it gives 5-9 us at
-        the first plan (3.5-4 us when run again later), about what ``_evict`` and
-        ``_fetch`` cost per call in a followed iteration (less their bytes), while each
-        planned move there adds more to the step (the move table's loop, the queue, the
-        pager's unplanned work, caches the copies evict): BENCHMARKS.md, "CPU-mode
-        prediction"."""
-        names = ("_actions", "_pending", "budget", "_hinted", "_dead_held")
-        with left_as_it_was(self, names):
-            planned_before = self.stats.planned_moves
-            with torch._C._DisableTorchDispatch():
-                ts = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(tensors)]
-            sts = [t.untyped_storage() for t in ts]
-            # (never in self._entries; each eviction takes its bytes off the device count and
-            # each fetch puts them back, so the count ends where it began)
-            es = [_Entry(-1 - k, nbytes, (lambda st=st: st), kind="activation", name="<move probe>")
-                  for k, st in enumerate(sts)]
-            # after op k: evict scratch tensor k; after op tensors + k: prefetch it (one move
-            # an op, about what a planned iteration fires: 1.3 on gpt-tiny at 30%)
-            self._actions = ([((True, k, None, "host", None),) for k in range(tensors)]
-                             + [((False, k, None, "host", None),) for k in range(tensors)])
-            self._pending, self._dead_held = deque(), deque()
-            self.budget, self._hinted = math.inf, False  # (the probe's bytes are not the budget's)
-            fire, ops = self._fire, range(2 * tensors)
-            with self._storages.borrowed_ids(es):
-                try:
-                    # (below the dispatch mode, as a move made while an op is dispatched runs)
-                    with torch._C._DisableTorchDispatch():
-                        t0 = time.perf_counter()
-                        for _ in range(rounds):
-                            for op in ops:
-                                fire(op)
-                            self._reap()
-                        elapsed = time.perf_counter() - t0
-                    moved = self.stats.planned_moves - planned_before
-                finally:
-                    for e in es:
-                        if e.state != RESIDENT:
-                            self._fetch(e)
-                        self._storages.left_device(e)  # (a fetched activation joins the LRU order: not a scratch one)
-                    self._reap(wait=True)
-        if moved != 2 * rounds * tensors:
-            return 0.0  # (a move was refused, the host pool full: nothing measured)
-        return elapsed / moved
 
     def _bounce_alloc(self, n: int) -> int:
         tiers = self._tiers
