@@ -432,6 +432,11 @@ class StorageTable:
         if e.kind in OWNED:
             self.lru[e.cdata] = e
 
+    def rejoin_lru(self, e: _Entry) -> None:
+        """``e`` (a labelled storage a recompute has just re-made) is a victim the pager
+        can pick again, as the most recently used."""
+        self.lru[e.cdata] = e
+
     def retire(self, e: _Entry) -> None:
         """Forget a storage that died (its device bytes, or its slots while away)."""
         c = e.cdata
