@@ -234,8 +234,8 @@ class HookFollower:
     def _advance(self, seg: int) -> None:
         """Segments ``self.seg .. seg - 1`` are done: their moves fired, ``seg`` begins."""
         run = self.run
-        if run._dead or run._tiers.frees or run._writes or run._ledger.leaving:
-            run._reap()
+        if run._dead or run._tiers.frees or run._mover.writes or run._ledger.leaving:
+            run._mover.reap()
         for k in range(self.seg, min(seg, self.n_seg)):
             if run._has_moves[k]:
                 run._fire(k)
