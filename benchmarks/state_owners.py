@@ -169,14 +169,17 @@ def _pairs(node: ast.Assign) -> list[tuple[ast.AST, ast.AST]]:
     return out
 
 
-def reach_in_writes(root: Path, held: dict[str, str]) -> dict[str, list[str]]:
+def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[str, str]] | None = None
+                    ) -> dict[str, list[str]]:
     """Per component ``Run`` holds (attribute -> class), the reach-in writes into its
-    state from code outside its class, as ``file:line what`` (see the module docstring)."""
+    state from code outside its class, as ``file:line what`` (see the module docstring).
+    ``aliases``, where given, is filled with ``Run``'s aliases of the components'
+    containers (its attribute -> (held attribute, container))."""
     classes = _owner_classes(root)
     comps = {h: c for h, c in held.items() if c in classes}
     trees = {f.stem: ast.parse(f.read_text()) for f in sorted(root.glob("*.py"))}
     # Run's aliases of a component's containers: self._lru = table.lru / self._storages.lru
-    alias: dict[str, tuple[str, str]] = {}  # run attribute -> (held attribute, container)
+    alias: dict[str, tuple[str, str]] = aliases if aliases is not None else {}  # run attribute -> (held, container)
 
     def comp_of(node: ast.AST, local: dict[str, str]) -> str | None:
         """The held attribute ``node`` refers to: ``self.h``, ``run.h`` or a local alias."""
@@ -263,10 +266,11 @@ def reach_in_writes(root: Path, held: dict[str, str]) -> dict[str, list[str]]:
 
 
 def _stats_ref(node: ast.AST, aliases: set[str]) -> bool:
-    """``node`` is the run's stats: ``self.stats``, ``run.stats`` or a local alias of them."""
+    """``node`` is the run's stats: ``self.stats``, ``run.stats``, a component's
+    ``self._stats`` (the same object, handed to it) or a local alias of them."""
     if isinstance(node, ast.Name):
         return node.id in aliases
-    return isinstance(node, ast.Attribute) and node.attr == "stats" and isinstance(node.value, ast.Name)
+    return isinstance(node, ast.Attribute) and node.attr in ("stats", "_stats") and isinstance(node.value, ast.Name)
 
 
 def stats_writers(root: Path) -> dict[str, set[str]]:
@@ -317,7 +321,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"RunStats fields written in >=2 files of the package: {len(multi)}"
           + "".join(f"\n  {k}: {', '.join(sorted(v))}" for k, v in sorted(multi.items())) * args.list)
     print(f"components Run holds: {', '.join(f'{a} ({c})' for a, c in sorted(held.items()))}")
-    writes = reach_in_writes(Path(args.root), held)
+    aliases: dict[str, tuple[str, str]] = {}
+    writes = reach_in_writes(Path(args.root), held, aliases)
+    print(f"of the state attributes, aliases of a component's container (read on every op; the component "
+          f"writes them): {len(aliases)}" + (f" ({', '.join(sorted(aliases))})" if args.list else ""))
     # (RunStats is a record each file writes its own fields of: counted above, by field)
     comp = {h: w for h, w in writes.items() if held[h] not in RECORDS}
     print(f"reach-in writes into the components (from outside their class): {sum(map(len, comp.values()))} "
