@@ -19,6 +19,10 @@ a local ``table = self._storages``) or through one of ``Run``'s aliases of it (`
 = table.lru``, in ``__enter__``: then ``self._lru.pop(c)`` anywhere in the package is a
 reach-in write). A component with none is the one writer of its state.
 
+Last, the writes the other way: code outside ``Run``'s classes that assigns the run's
+own attributes through a reference to it (``run._op = ...`` in a component holding the
+run, ``setattr(run, name, ...)`` in a probe that borrows attributes by name).
+
 ``--every-class`` counts ``self.`` in every class and function of the files instead,
 as the issue did when the files held nothing else: on main at 0d5bbb2 (the commit the
 issue was filed at) that prints 154 / 51 / 31, the issue's "about 154 ... 51 ... 33"
@@ -265,6 +269,32 @@ def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[s
             for h in sorted(comps)}
 
 
+def _run_ref(node: ast.AST) -> bool:
+    """``node`` is a reference to the run from outside it: ``run`` or ``self.run``/``self._run``."""
+    if isinstance(node, ast.Name):
+        return node.id == "run"
+    return isinstance(node, ast.Attribute) and node.attr in ("run", "_run") and _is_self(node.value)
+
+
+def writes_into_run(root: Path, classes: set[str]) -> list[str]:
+    """Writes into the run's own state from code outside ``Run``'s classes (a component or
+    a function holding a reference to the run): ``run.x = ...``, ``self.run.x = ...``,
+    ``del run.x``, and ``setattr(run, ...)`` (by name), as ``file:line what``."""
+    out: set[str] = set()
+    for f in sorted(root.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        scopes = [n for n in tree.body if not (isinstance(n, ast.ClassDef) and n.name in classes)]
+        for scope in scopes:
+            for node in ast.walk(scope):
+                if (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+                        and _run_ref(node.value)):
+                    out.add(f"{f.stem}:{node.lineno} run.{node.attr}")
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                      and node.args and _run_ref(node.args[0])):
+                    out.add(f"{f.stem}:{node.lineno} setattr(run, ...)")
+    return sorted(out, key=lambda r: (r.split(":")[0], int(r.split(":")[1].split()[0])))
+
+
 def _stats_ref(node: ast.AST, aliases: set[str]) -> bool:
     """``node`` is the run's stats: ``self.stats``, ``run.stats``, a component's
     ``self._stats`` (the same object, handed to it) or a local alias of them."""
@@ -330,7 +360,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"reach-in writes into the components (from outside their class): {sum(map(len, comp.values()))} "
           f"({', '.join(f'{held[h]} {len(w)}' for h, w in sorted(comp.items(), key=lambda kv: (-len(kv[1]), kv[0])))}; "
           f"into the records {', '.join(RECORDS)}: {sum(len(w) for h, w in writes.items() if held[h] in RECORDS)})")
+    into_run = writes_into_run(Path(args.root), run_classes(Path(args.root)))
+    print(f"writes into the run's state from outside Run's classes (run.x = ..., setattr(run, ...)): {len(into_run)}")
     if args.reach_in:
+        for w in into_run:
+            print(f"  into the run: {w}")
         for h, ws in writes.items():
             for w in ws:
                 print(f"  reach-in {held[h]}: {w}")

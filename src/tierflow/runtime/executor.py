@@ -813,6 +813,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         e = self._storages.entry(t)
         return self._iter_tid.get(e.cdata) if e is not None else None
 
+    def _followed_to(self, op: int) -> None:
+        """The iteration has been followed at ticks up to op ``op`` (runtime/hook_follow.py:
+        a segment's end, with no dispatch mode to count the ops): counting resumes there."""
+        self._op = op
+
     def _mark_stale(self, why: str) -> None:
         """The iteration departed from its plan's trace (``why``): the rest of it runs on
         the general path, and the next is profiled again."""
