@@ -261,7 +261,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._ssd_dir = ssd_dir
         self._hardware_arg = hardware
         self._host_bytes, self._ssd_bytes = host_bytes, ssd_bytes
-        self._move_s: float | None = None  # CPU mode: one move's cost, measured once (moves._probe_move_s)
+        self._move_s: float | None = None  # CPU mode: one move's cost, measured once (follow._probe_move_s)
         self._io_workers = io_workers
         self._sync_ranks = sync_ranks
         self._host_overlap = host_step_overlap  # [host steps] start updates in backward
@@ -934,7 +934,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             except (RuntimeError, NotImplementedError):  # no storage
                 continue
             if e is None:
-                e = entry(t, None, False)  # first sight: made before the block (see StorageTracking._entry)
+                e = entry(t, None, False)  # first sight: made before the block (see StorageTable.entry)
             ins.append(e)
             if e.state is not RESIDENT:
                 away += e.nbytes
