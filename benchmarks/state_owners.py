@@ -84,6 +84,16 @@ def measure(root: Path, files: list[str], every_class: bool = False
     files held nothing but Run's mixins)."""
     classes = run_classes(root)
     known = {n.name for f in root.glob("*.py") for n in ast.parse(f.read_text()).body if isinstance(n, ast.ClassDef)}
+    # functions and methods that return one of the package's classes (``backend_for(device)
+    # -> Backend``, ``Backend.attach(...) -> Tiers``): what they make is held too
+    returns: dict[str, str] = {}
+    for f in root.glob("*.py"):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+                r = n.returns.id if isinstance(n.returns, ast.Name) else (
+                    n.returns.value if isinstance(n.returns, ast.Constant) else None)
+                if r in known:
+                    returns[n.name] = r
     usage: dict[str, Usage] = defaultdict(Usage)
     methods: set[str] = set()
     reach_in: list[str] = []
@@ -104,6 +114,9 @@ def measure(root: Path, files: list[str], every_class: bool = False
                         t, f = node.targets[0], node.value.func
                         name = f.id if isinstance(f, ast.Name) else (
                             f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+                        if name not in known:  # (made by a function or method that returns one)
+                            name = returns.get(f.id if isinstance(f, ast.Name) else
+                                               f.attr if isinstance(f, ast.Attribute) else "")
                         if isinstance(t, ast.Attribute) and _is_self(t.value) and name in known:
                             held[t.attr] = name
                     if not isinstance(node, ast.Attribute):
