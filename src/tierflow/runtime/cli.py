@@ -265,6 +265,10 @@ def _train_compiled(args: argparse.Namespace) -> int:
                   "" if g.get("predicted_step_s") is None else fmt_seconds(g["predicted_step_s"]))
     con = u.console()
     con.print(t)
+    for g in st.compiled_graphs:  # (said as a warning when compiled; again beside the table)
+        if g.get("floor_above_budget"):
+            con.print(f"graph {g['index']}: floor {fmt_bytes(g['floor_bytes'])} ({g['floor_op']}) is above the "
+                      f"budget {fmt_bytes(g['budget_bytes'])}: no plan of it fits")
     con.print(f"steps {st.steps}, median step {fmt_seconds(st.step_time_s)} (after the first, which compiles); "
               f"compiled calls {st.compiled_calls}, graphs compiled {st.compiled_compiles} "
               f"({sum(1 for g in st.compiled_graphs if g.get('frame_compile', -1) > 0)} recompiles), "
