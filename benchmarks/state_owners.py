@@ -9,6 +9,16 @@ counting ``__init__`` and ``__enter__``, which give every attribute its first va
 the writes into a held object's attributes from Run's code (``self.stats.x = ...``),
 the components Run holds, and with ``--list`` each attribute counted.
 
+Then, per component ``Run`` holds (``self._storages = StorageTable(...)``), its *reach-in
+writes*: code outside the component's own class that changes the component's state:
+an assignment or ``del`` of one of its attributes (``self._storages.in_iter = False``),
+an item written into one of its containers (``self._storages.lru[c] = e``), or a
+mutating call on one (``.pop``, ``.append``, ``.clear``, ``.move_to_end`` ...). A
+container is reached through the component (``self._storages.lru``, ``run._storages``,
+a local ``table = self._storages``) or through one of ``Run``'s aliases of it (``self._lru
+= table.lru``, in ``__enter__``: then ``self._lru.pop(c)`` anywhere in the package is a
+reach-in write). A component with none is the one writer of its state.
+
 ``--every-class`` counts ``self.`` in every class and function of the files instead,
 as the issue did when the files held nothing else: on main at 0d5bbb2 (the commit the
 issue was filed at) that prints 154 / 51 / 31, the issue's "about 154 ... 51 ... 33"
@@ -19,6 +29,7 @@ Usage:
     python benchmarks/state_owners.py                 # the nine files of the issue
     python benchmarks/state_owners.py --list          # and which attributes, where
     python benchmarks/state_owners.py --root /work/main/src/tierflow/runtime
+    python benchmarks/state_owners.py --reach-in     # and each reach-in write, where
 """
 
 from __future__ import annotations
@@ -108,6 +119,149 @@ def measure(root: Path, files: list[str], every_class: bool = False
     return {a: u for a, u in usage.items() if a not in methods}, sorted(set(reach_in)), held
 
 
+#: Records, not components: each of their fields has one writer somewhere in the package
+#: (``RunStats``: counted by field, "RunStats fields written in >=2 files").
+RECORDS = ("RunStats",)
+
+#: Calls that change the container they are called on.
+MUTATORS = frozenset({"append", "appendleft", "extend", "extendleft", "insert", "pop", "popleft", "popitem",
+                      "remove", "clear", "update", "setdefault", "add", "discard", "move_to_end", "sort",
+                      "reverse", "rotate"})
+
+
+def _owner_classes(root: Path) -> dict[str, tuple[str, set[str]]]:
+    """Each class of the package: (its file's stem, the attributes its methods assign on
+    ``self``, and its annotated fields)."""
+    out: dict[str, tuple[str, set[str]]] = {}
+    for f in sorted(root.glob("*.py")):
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                attrs = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and _is_self(n.value)
+                         and isinstance(n.ctx, ast.Store)}
+                # (a dataclass's fields)
+                attrs |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                out[node.name] = (f.stem, attrs)
+    return out
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    """The assignment targets of ``node``, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        ts = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        ts = [node.target]
+    else:
+        return []
+    out: list[ast.AST] = []
+    for t in ts:
+        out += list(t.elts) if isinstance(t, ast.Tuple) else [t]
+    return out
+
+
+def _pairs(node: ast.Assign) -> list[tuple[ast.AST, ast.AST]]:
+    """(target, value) of each name an assignment binds, ``a, b = x, y`` unpacked."""
+    out = []
+    for t in node.targets:
+        if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple) and len(t.elts) == len(node.value.elts):
+            out += list(zip(t.elts, node.value.elts))
+        else:
+            out.append((t, node.value))
+    return out
+
+
+def reach_in_writes(root: Path, held: dict[str, str]) -> dict[str, list[str]]:
+    """Per component ``Run`` holds (attribute -> class), the reach-in writes into its
+    state from code outside its class, as ``file:line what`` (see the module docstring)."""
+    classes = _owner_classes(root)
+    comps = {h: c for h, c in held.items() if c in classes}
+    trees = {f.stem: ast.parse(f.read_text()) for f in sorted(root.glob("*.py"))}
+    # Run's aliases of a component's containers: self._lru = table.lru / self._storages.lru
+    alias: dict[str, tuple[str, str]] = {}  # run attribute -> (held attribute, container)
+
+    def comp_of(node: ast.AST, local: dict[str, str]) -> str | None:
+        """The held attribute ``node`` refers to: ``self.h``, ``run.h`` or a local alias."""
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr in comps:
+            return node.attr
+        if isinstance(node, ast.Name):
+            return local.get(node.id)
+        return None
+
+    def functions(tree: ast.AST):
+        for cls in [None, *[n for n in tree.body if isinstance(n, ast.ClassDef)]]:
+            body = tree.body if cls is None else cls.body
+            for fn in body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield (cls.name if cls is not None else None), fn
+
+    def locals_of(fn: ast.AST) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+        comp_locals: dict[str, str] = {}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign):
+                for t, v in _pairs(n):
+                    h = comp_of(v, {})
+                    if isinstance(t, ast.Name) and h is not None:
+                        comp_locals[t.id] = h
+        cont_locals: dict[str, tuple[str, str]] = {}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign):
+                for t, v in _pairs(n):
+                    if not isinstance(t, ast.Name):
+                        continue
+                    if isinstance(v, ast.Attribute) and comp_of(v.value, comp_locals) is not None:
+                        cont_locals[t.id] = (comp_of(v.value, comp_locals), v.attr)
+                    elif isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.attr in alias:
+                        cont_locals[t.id] = alias[v.attr]
+        return comp_locals, cont_locals
+
+    for tree in trees.values():
+        for _cls, fn in functions(tree):
+            comp_locals, _ = locals_of(fn)
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Assign):
+                    for t, v in _pairs(n):
+                        if (isinstance(t, ast.Attribute) and _is_self(t.value) and isinstance(v, ast.Attribute)
+                                and comp_of(v.value, comp_locals) is not None):
+                            alias[t.attr] = (comp_of(v.value, comp_locals), v.attr)
+
+    def container(node: ast.AST, comp_locals: dict[str, str], cont_locals: dict[str, tuple[str, str]]
+                  ) -> tuple[str, str] | None:
+        """(held attribute, container) that ``node`` is, if it is a component's container."""
+        if isinstance(node, ast.Attribute):
+            h = comp_of(node.value, comp_locals)
+            if h is not None:
+                return h, node.attr
+            if isinstance(node.value, ast.Name) and node.attr in alias:
+                return alias[node.attr]
+        if isinstance(node, ast.Name):
+            return cont_locals.get(node.id)
+        return None
+
+    found: dict[str, set[str]] = defaultdict(set)
+    for stem, tree in trees.items():
+        for cls, fn in functions(tree):
+            comp_locals, cont_locals = locals_of(fn)
+            for n in ast.walk(fn):
+                hits: list[tuple[str, str, str]] = []  # (held, attribute, how)
+                for t in _targets(n) + (n.targets if isinstance(n, ast.Delete) else []):
+                    if isinstance(t, ast.Attribute) and comp_of(t.value, comp_locals) is not None:
+                        hits.append((comp_of(t.value, comp_locals), t.attr, "="))
+                    elif isinstance(t, ast.Subscript):
+                        c = container(t.value, comp_locals, cont_locals)
+                        if c is not None:
+                            hits.append((*c, "[]="))
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS:
+                    c = container(n.func.value, comp_locals, cont_locals)
+                    if c is not None:
+                        hits.append((*c, f".{n.func.attr}()"))
+                for h, attr, how in hits:
+                    owner = comps[h]
+                    if cls == owner or attr not in classes[owner][1]:
+                        continue  # (its own code; or a method's name, not its state)
+                    found[h].add(f"{stem}:{n.lineno} {h}.{attr}{how}")
+    return {h: sorted(found.get(h, ()), key=lambda r: (r.split(":")[0], int(r.split(":")[1].split()[0])))
+            for h in sorted(comps)}
+
+
 def _stats_ref(node: ast.AST, aliases: set[str]) -> bool:
     """``node`` is the run's stats: ``self.stats``, ``run.stats`` or a local alias of them."""
     if isinstance(node, ast.Name):
@@ -142,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent / "src/tierflow/runtime"))
     ap.add_argument("--files", nargs="+", default=NINE, help="file stems under --root (default: the nine of the issue)")
     ap.add_argument("--list", action="store_true", help="list the attributes read in >=3 files or written in >=2")
+    ap.add_argument("--reach-in", action="store_true", help="list each reach-in write into a component")
     ap.add_argument("--every-class", action="store_true",
                     help="count self. in every class and function of the files, not only Run's mixins")
     args = ap.parse_args(argv)
@@ -162,6 +317,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"RunStats fields written in >=2 files of the package: {len(multi)}"
           + "".join(f"\n  {k}: {', '.join(sorted(v))}" for k, v in sorted(multi.items())) * args.list)
     print(f"components Run holds: {', '.join(f'{a} ({c})' for a, c in sorted(held.items()))}")
+    writes = reach_in_writes(Path(args.root), held)
+    # (RunStats is a record each file writes its own fields of: counted above, by field)
+    comp = {h: w for h, w in writes.items() if held[h] not in RECORDS}
+    print(f"reach-in writes into the components (from outside their class): {sum(map(len, comp.values()))} "
+          f"({', '.join(f'{held[h]} {len(w)}' for h, w in sorted(comp.items(), key=lambda kv: (-len(kv[1]), kv[0])))}; "
+          f"into the records {', '.join(RECORDS)}: {sum(len(w) for h, w in writes.items() if held[h] in RECORDS)})")
+    if args.reach_in:
+        for h, ws in writes.items():
+            for w in ws:
+                print(f"  reach-in {held[h]}: {w}")
     if args.list:
         for a in sorted(set(wide) | set(shared), key=lambda a: (-len(usage[a].later_writers), a)):
             u = usage[a]

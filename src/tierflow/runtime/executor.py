@@ -53,7 +53,7 @@ import math
 import os
 import time
 import warnings
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,8 +87,8 @@ from .stats import RunStats
 from .step_clock import StepClock
 from .storages import (
     _PLAIN,
-    LOOP_KINDS,
     RESIDENT,
+    StorageTable,
     StorageTracking,
     _Entry,
     _leaves,
@@ -294,13 +294,20 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self.stats.blocking_waits = self._tiers.copier.waits  # (the same dict: counted as they happen)
         # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
         self._frees = self._tiers.frees
-        self._entries: dict[int, _Entry] = {}
-        self._lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
-        self._by_key: dict[str, _Entry] = {}
-        self._dead: deque[int] = deque()
         self._writes: list[_Entry] = []
-        self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room
+        self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room (follow.py's)
+        self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident (follow.py's)
         self._ledger = DeviceLedger()  # accounted device bytes, copies out in flight, the peak (runtime/ledger.py)
+        self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
+        # the storage records: one component owns them (runtime/storages.py). Its
+        # containers are read on every op: aliases of the component's, never reassigned
+        # (it changes them in place, and only it)
+        self._storages = StorageTable(self._ledger, self._dev_attr, gone_away=self._storage_gone,
+                                      op_now=lambda: self._op)
+        table = self._storages
+        self._entries, self._lru, self._by_key, self._dead = table.entries, table.lru, table.by_key, table.dead
+        self._foreign, self._iter_entries, self._iter_tid = table.foreign, table.iter_entries, table.iter_tid
+        self._freed_at = table.freed_at  # profiling: trace id -> last op its storage was alive
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._held: list[_Entry] = []  # profiling: what the loop held when the iteration began
         self._from_profile = False  # the next planned iteration is the first after a profile
@@ -310,11 +317,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
         self._kernel_timer: KernelTimer | None = None  # CUDA: the profiled iteration's profiler (kernel_times)
         self._op_kernel_s: list[float] = []  # CUDA: each recorded op's kernel time, from it
-        self._unpacked: int | None = None  # profiling: the storage our unpack hook just returned
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
         self._quiet = False
         self._untracked = 0
-        self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         self._in_iter = False
         self._outside_ran = False  # an op ran between iterations (see _begin)
         self._fast = False
@@ -325,7 +330,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # read on every op: an alias of the component's, never reassigned
         self._collectives = InFlight()
         self._inflight = self._collectives.records
-        self._foreign: dict[int, _Entry] = {}
         from .distributed import RankSync, world
 
         self.stats.rank, self.stats.world_size = world()
@@ -337,15 +341,14 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._step_depth = 0  # optimizer.step() wrappers entered (a subclass calling super().step() nests two)
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         for n, p in self.model.named_parameters():
-            self._label(self._entry(p), "parameter", f"param:{n}", n)
+            table.label(table.entry(p), "parameter", f"param:{n}", n)
         for n, b in self.model.named_buffers():
-            self._label(self._entry(b), "parameter", f"buffer:{n}", n)
+            table.label(table.entry(b), "parameter", f"buffer:{n}", n)
         self._label_opt_state()
         self._hooks = [self.model.register_forward_pre_hook(self._on_forward, prepend=True, with_kwargs=True)]
         for n, p in self.model.named_parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
-        self._labelled_states = -1  # len(optimizer.state) when its tensors were last labelled
         self._dropped_in: dict[int, int] = {}  # recompute: dropped storage -> its chain
 
         self._chunker: ChunkedStep | None = None
@@ -417,11 +420,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._sync = None
             self._tiers_sized()
             self.stats.host_pool_peak = self.backend.detach(self)  # (the tiers close with the last user)
-            self._entries.clear()
-            self._lru.clear()
-            self._by_key.clear()
+            self._storages.clear()
             self._collectives.clear()
-            self._foreign.clear()
         if errors and exc is None:
             raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
 
@@ -444,10 +444,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._begin()
                 if self._dominated:  # (its op times are not the plan's trace's to re-time it with)
                     self._timing = False
+                table = self._storages
                 for i, x in enumerate(t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
-                    e = self._entry(x, counted=False)
+                    e = table.entry(x, counted=False)
                     if e is not None and e.kind == "temporary":
-                        self._label(e, "input", f"input:{i}", f"input{i}")
+                        table.label(e, "input", f"input:{i}", f"input{i}")
             finally:
                 self._quiet = False
 
@@ -542,10 +543,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._in_iter = True
         self._step_depth = 0  # (a step that raised left its count behind)
         self._op = 0
-        self._saved_seq = 0
-        self._iter_tid: dict[int, int] = {}
-        self._freed_at: dict[int, int] = {}  # profiling: trace id -> last op its storage was alive
-        self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident
+        self._begin_following()  # (no gradient held past its last use yet)
         self._first_in: set[int] = set()  # profiling: trace ids first seen as an op's input
         self._recording = (self._need_profile or self.plan is None) and not self._pager_iteration
         following = not self._recording and self.plan is not None and not self._pager_iteration
@@ -554,8 +552,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._recording and self._host_active:  # [host steps] a profile sees the whole step on the device
             self._host_release()
         # following a plan, only the tensors the plan names are identified (by _bind):
-        # their trace ids index this list; profiling, every tensor in order of first use
-        self._iter_entries: list[_Entry | None] = [] if self._recording else [None] * self._n_tensors
+        # their trace ids index _iter_entries; profiling, every tensor in order of first use
+        self._storages.begin_iteration(self._recording, 0 if self._recording else self._n_tensors)
         self._stale = False
         # the lean per-op path (a planned plan, or a reactive one's hints), until the
         # iteration departs from the trace
@@ -617,6 +615,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if not self._fast:  # (a clean planned iteration made no state the profile did not see)
             self._label_opt_state()
         self._in_iter = False
+        self._storages.end_iteration()
         self._fast = False
         self._in_step = False
         if self._foreign:
@@ -677,7 +676,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._adopt_retimed(retimed)
         if self._stale and not self._dominated:  # (a dominated iteration's departure says nothing of its plan)
             self._need_profile = True
-        self._iter_tid, self._iter_entries = {}, []
+        self._storages.forget_iteration()
         # (from here: the peak of the ops between iterations, _fold_outside_peak; not what
         # the iteration left, above a share budget after the unconstrained profile)
         self._ledger.clear_peak()
@@ -689,7 +688,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # profiling: every op the model dispatches is asked its scope (that is what ties
         # the autograd nodes it makes to its module, for backward's scopes)
         scope = self._opfacts.scope()
-        unpacked, self._unpacked = self._unpacked, None  # (see _unpack, _build_trace)
+        unpacked = self._storages.take_unpacked()  # (see _unpack, _build_trace)
         if self._dead or self._frees or self._writes or self._inflight:
             self._reap()
         if self._pending:
@@ -710,9 +709,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             return func(*args, **kwargs)
         name = _op_name(func)
         special = _op_kind(func, name)
+        table = self._storages
         if special == 2 and self._foreign:  # FSDP has just re-allocated what this op fills
-            self._sync_foreign()
-        ins = [e for e in (self._entry(t, counted=False) for t in tensors) if e is not None]
+            table.sync_foreign()
+        ins = [e for e in (table.entry(t, counted=False) for t in tensors) if e is not None]
         in_iter = self._in_iter
         i = self._op if in_iter else -1
         following = in_iter and self._follows()
@@ -757,27 +757,25 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             dur = time.perf_counter() - t0 if timed else 0.0
         label = f"{name}#{i}"
         leaves = _leaves(out)
-        outs = [e for e in (self._entry(t, label) for t in (_unwrap(leaves) if types else leaves)) if e is not None]
+        outs = [e for e in (table.entry(t, label) for t in (_unwrap(leaves) if types else leaves)) if e is not None]
         written = _written_args(func, args, kwargs)
         n_fresh = len(outs)
         new_bytes = self._account_written(_unwrap(written) if types else written, outs, label)
         if special:
             self._on_special(special, out, ins, outs, outs[n_fresh:])
-        for e in ins + outs:
-            if e.cdata in self._lru:
-                self._lru.move_to_end(e.cdata)
+        table.touch(ins + outs)
         if following and not self._stale:
             self._check_outs(i, outs)
         elif in_iter and not following:
             n_before = len(self._iter_entries)
-            in_ids = [self._tid(e) for e in ins]
+            in_ids = [table.tid(e) for e in ins]
             if self._recording and len(self._iter_entries) > n_before:
                 # first seen as an op's input: made before the iteration (model state,
                 # the batch, its targets), not by one of its ops
                 self._first_in.update(range(n_before, len(self._iter_entries)))
                 for e in self._iter_entries[n_before:]:
-                    self._mark_external(e)
-            out_ids = [self._tid(e) for e in outs]
+                    table.mark_external(e)
+            out_ids = [table.tid(e) for e in outs]
             new_bytes += sum(e.nbytes for e in self._iter_entries[n_before:] if e.kind not in ("parameter",))
             self._max_out = max(self._max_out, new_bytes)
             if self._recording:
@@ -794,7 +792,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
                 if unpacked is not None and func is _DETACH and _storage_id_of(args[0], types) == unpacked:
                     self._hook_ops.append(len(self._rec) - 1)  # autograd's, after our unpack hook
-        self._note_peak()
+        table.note_peak()
         if in_iter:
             if following and not self._stale:
                 self._fire(i, hints=self._hinted)
@@ -807,8 +805,20 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
 
     def _written_tid(self, t: Any) -> int | None:
         """The trace id of a tensor an op just wrote (None: off the device, no storage)."""
-        e = self._entry(t)
+        e = self._storages.entry(t)
         return self._iter_tid.get(e.cdata) if e is not None else None
+
+    def _mark_stale(self, why: str) -> None:
+        """The iteration departed from its plan's trace (``why``): the rest of it runs on
+        the general path, and the next is profiled again."""
+        self._stale = True
+        self._fast = False
+        self._hooks_on()  # (the general path labels what is saved from here on)
+        self.stats.stale_plans += 1
+        if len(self.stats.stale_reasons) < 5:
+            self.stats.stale_reasons.append(why)
+        if self._host_active:  # host updates not yet begun wait for the step (runtime/host_step.py)
+            self._host_departed()
 
     def _follows(self) -> bool:
         """Whether this iteration is following a plan (planned, or a reactive plan's
@@ -820,7 +830,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         to its trace id (its position among the op's inputs or outputs says which) and
         check it is the tensor the trace saw there: a parameter or optimizer state by
         its key, anything else by its size. False (and the plan stale) if not."""
-        entries, tid_of = self._iter_entries, self._iter_tid
+        table = self._storages
         for pos, tid, want, label in binds:
             if pos >= len(ents):
                 self._mark_stale(f"op {i}: {self.trace.ops[i].name} used fewer tensors than the trace has")
@@ -833,27 +843,17 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             elif e.nbytes != want and self._size_departs(e, want):
                 self._mark_stale(f"op {i}: tensor {tid} has {e.nbytes} bytes, the trace has {want}")
                 return False
-            entries[tid] = e
-            tid_of[e.cdata] = tid
+            table.bind(tid, e)
             if label is not None and e.key is None:  # an activation or gradient, as profiled
-                self._label(e, *label)
+                table.label(e, *label)
             elif tid in self._external_tids:
-                self._mark_external(e)
+                table.mark_external(e)
         return True
-
-    def _mark_external(self, e: _Entry) -> None:
-        """``e`` was made before the iteration and the user's loop holds it (the batch,
-        its targets; see :attr:`tierflow.trace.TensorInfo.external`): no plan moves it,
-        so neither does the pager (it would be fetched back on demand when the loop
-        comes back to that batch)."""
-        if e.kind in LOOP_KINDS and not e.foreign:
-            e.external = True
-            self._lru.pop(e.cdata, None)
 
     def _size_departs(self, e: _Entry, want: int) -> bool:
         """Whether ``e``, whose size is not the trace's ``want`` (the caller compares
         first: sizes are equal on nearly every op), departs from the trace: not a foreign
-        storage (its size is FSDP's, accounted when looked at, ``_sync_foreign``), and not
+        storage (its size is FSDP's, accounted when looked at, ``StorageTable.sync_foreign``), and not
         a smaller tensor of an iteration following a larger signature's plan
         (runtime/signatures.py)."""
         return not e.foreign and not (self._dominated and e.nbytes <= want)
@@ -863,7 +863,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         budget depends on); then the ones the plan names are bound."""
         sizes = self._out_sizes[i]
         # (a foreign storage's size is its owner's, FSDP's: it changes when FSDP frees or
-        # gathers it, not with the op, and is accounted when looked at, _sync_foreign)
+        # gathers it, not with the op, and is accounted when looked at, StorageTable.sync_foreign)
         if len(outs) != len(sizes) or any(e.nbytes != n and self._size_departs(e, n) for e, n in zip(outs, sizes)):
             self._mark_stale(f"op {i}: {self.trace.ops[i].name} made {[e.nbytes for e in outs]} bytes, "
                              f"the trace has {self._out_sizes[i]}")
@@ -901,13 +901,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             out = self._retimer.call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
             self._op = next_op  # (i + 1, past ops the host runs)
             return out
-        entries, dev, entry = self._entries, self._dev_attr, self._entry
-        dead = self._dead
-        while dead:  # storages that died: forget them (then no entry of a dead storage is
-            c = dead.popleft()  # left to confuse a lookup by address below)
-            e = entries.get(c)
-            if e is not None and e.ref() is None:
-                self._retire(e)
+        table = self._storages
+        entries, dev, entry = self._entries, self._dev_attr, table.entry
+        if self._dead:  # storages that died: forget them (then no entry of a dead storage is
+            table.retire_dead()  # left to confuse a lookup by address below)
         if self._frees or self._writes or self._inflight:
             self._reap()
         if self._pending:
@@ -970,7 +967,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     continue
                 e = entries.get(st._cdata)
                 if e is None:  # a new storage
-                    e = self._new_entry(st, st._cdata, self._op_labels[i])
+                    e = table.new_entry(st, st._cdata, self._op_labels[i])
                 elif e.ref() is None:  # (a new storage at the address of one that died in the op)
                     e = entry(t, self._op_labels[i])
                 k = len(outs)
@@ -986,7 +983,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                         e = entry(v, self._op_labels[i])
                     outs.append(e)
                     if e.state is RESIDENT and e.ref().nbytes() != e.nbytes:  # (resized by the op)
-                        self._resized(e)
+                        table.resized(e)
                 else:
                     written = _written_at(spots, args, kwargs)
                     if written:
@@ -1008,12 +1005,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._retimer.add_record_s(time.perf_counter() - t0)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
             # (the op's inputs: a result enters the LRU order at its end when it is bound)
-            lru = self._lru
-            for e in ins:
-                if e.cdata in lru:
-                    lru.move_to_end(e.cdata)
+            table.touch(ins)
         if ledger.used > ledger.peak:
-            self._note_peak()
+            table.note_peak()
         if moves and not self._stale:
             self._fire(i, hints=self._hinted)
         self._op = next_op  # [host steps] (i + 1, past ops the host runs)
@@ -1023,8 +1017,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         """Add the storages an op wrote in place (``out=``, ``self``) to ``outs``, and
         account those the op resized. The bytes it grew them by."""
         grown = 0
+        table = self._storages
         for t in written:
-            e = self._entry(t, label)
+            e = table.entry(t, label)
             if e is None:
                 continue
             outs.append(e)
@@ -1032,17 +1027,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 e.synced = False
             st = e.ref()
             if st is not None and e.state == RESIDENT and st.nbytes() != e.nbytes:  # resized by the op
-                grown += self._resized(e)
-        return grown
-
-    def _resized(self, e: _Entry) -> int:
-        """Account a resident storage an op resized; the bytes it grew by."""
-        n = e.ref().nbytes()
-        self._make_counted(e)  # (resized inside the block)
-        self._ledger.add(n - e.nbytes)
-        grown = max(0, n - e.nbytes)
-        e.top = max(e.top, e.nbytes)
-        e.nbytes = n
+                grown += table.resized(e)
         return grown
 
     def _phase(self) -> str:

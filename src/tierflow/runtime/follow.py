@@ -8,16 +8,19 @@ time with the pool planner; and record why an iteration departed from the trace.
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_right
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import TierflowError
 from ..trace import Trace
 from ..units import fmt_bytes
 from . import tiers
 from .errors import OffloadError
+from .moves import left_as_it_was
 from .storages import AWAY, OWNED, RESIDENT, _Entry
 
 
@@ -47,9 +50,10 @@ def _next_uses(uses: list[list[int]], n_ops: int, tids: list[int], persistent: l
 class PlanFollowing:
     """The plan follower (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
-    def _fire(self, op: int, hints: bool = False) -> None:
+    def _fire(self, op: int, hints: bool = False, budget: float | None = None) -> None:
         """Issue the plan's moves "after op ``op``" (from the per-op table
-        :meth:`_move_table` built when the plan was made)."""
+        :meth:`_move_table` built when the plan was made). ``budget``: the room planned
+        prefetches wait for, where not the run's (the move probe's: unbounded)."""
         entries, by_key, stats = self._iter_entries, self._by_key, self.stats
         for evict, tid, key, tier, slot in self._actions[op]:
             if evict is None:  # a gradient past its last use, held until zero_grad (see _move_table)
@@ -71,7 +75,7 @@ class PlanFollowing:
                 done = self._evict(e, tier, slot)
             elif e.state is RESIDENT or e in self._pending:
                 done = False
-            elif hints and self._ledger.used + e.nbytes <= self.budget:
+            elif hints and self._ledger.used + e.nbytes <= (self.budget if budget is None else budget):
                 done = self._prefetch(e)
             elif hints:
                 # NOTE: a UVM-style prefetch hint makes room, like a fault, but not yet:
@@ -91,7 +95,70 @@ class PlanFollowing:
                     self._depart("skipped move: already where the plan sends it" if not evict or e.state != RESIDENT
                                  else "skipped move: eviction refused (pinned by a collective, or resized)")
         if self._pending and not hints:
-            self._issue_pending()
+            self._issue_pending(budget)
+
+    def _probe_move_s(self, rounds: int = 16, nbytes: int = 4096, tensors: int = 4) -> float:
+        """Seconds of this thread one planned move costs, measured: ``rounds`` times,
+        ``tensors`` scratch storages of ``nbytes`` are evicted and prefetched back through
+        the code a planned move takes on the lean path: the per-op move table fired after
+        an op (:meth:`_fire`), the pool slot, the copy, the resize, the bookkeeping, and
+        for a prefetch the queue of prefetches waiting for room (:meth:`_issue_pending`).
+        The CPU-mode hardware model charges it per transfer (``Hardware.move_issue_s``),
+        so that the planner weighs many small moves against a few large ones. The run's
+        stats, tables and queues are left as they were.
+
+        NOTE: it still runs warm, in a tight loop: on the 2-core VM it gives 5-9 us at
+        the first plan (3.5-4 us when run again later), about what ``_evict`` and
+        ``_fetch`` cost per call in a followed iteration (less their bytes), while each
+        planned move there adds more to the step (the move table's loop, the queue, the
+        pager's unplanned work, caches the copies evict): BENCHMARKS.md, "CPU-mode
+        prediction"."""
+        # (the follower's own tables and queue, borrowed and put back here; the trace ids
+        # are the storage table's to lend, the stats are put back whole)
+        had_table = hasattr(self, "_actions")
+        kept_actions, kept_pending = getattr(self, "_actions", None), list(self._pending)
+        with left_as_it_was(self, ()):
+            planned_before = self.stats.planned_moves
+            with torch._C._DisableTorchDispatch():
+                ts = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(tensors)]
+            sts = [t.untyped_storage() for t in ts]
+            # (never in the storage table; each eviction takes its bytes off the device count
+            # and each fetch puts them back, so the count ends where it began)
+            es = [_Entry(-1 - k, nbytes, (lambda st=st: st), kind="activation", name="<move probe>")
+                  for k, st in enumerate(sts)]
+            # after op k: evict scratch tensor k; after op tensors + k: prefetch it (one move
+            # an op, about what a planned iteration fires: 1.3 on gpt-tiny at 30%)
+            self._actions = ([((True, k, None, "host", None),) for k in range(tensors)]
+                             + [((False, k, None, "host", None),) for k in range(tensors)])
+            self._pending.clear()
+            fire, ops = self._fire, range(2 * tensors)
+            with self._storages.borrowed_ids(es):
+                try:
+                    # (below the dispatch mode, as a move made while an op is dispatched runs;
+                    # the probe's bytes are not the budget's: its prefetches never wait for room)
+                    with torch._C._DisableTorchDispatch():
+                        t0 = time.perf_counter()
+                        for _ in range(rounds):
+                            for op in ops:
+                                fire(op, False, math.inf)
+                            self._reap()
+                        elapsed = time.perf_counter() - t0
+                    moved = self.stats.planned_moves - planned_before
+                finally:
+                    for e in es:
+                        if e.state != RESIDENT:
+                            self._fetch(e)
+                        self._storages.left_device(e)  # (a fetched activation joins the LRU order: not a scratch one)
+                    self._reap(wait=True)
+                    if had_table:
+                        self._actions = kept_actions
+                    else:
+                        del self._actions
+                    self._pending.clear()
+                    self._pending.extend(kept_pending)
+        if moved != 2 * rounds * tensors:
+            return 0.0  # (a move was refused, the host pool full: nothing measured)
+        return elapsed / moved
 
     def _leave_start_away(self) -> None:
         """A planned iteration begins: the persistent tensors its plan starts without
@@ -116,6 +183,16 @@ class PlanFollowing:
                 break  # (what does not fit comes back when used)
             if self._prefetch(e):
                 self.stats.planned_moves += 1
+
+    def _set_move_table(self, trace: Trace, plan: Any) -> None:
+        """The plan's moves become the ones fired after each op (:meth:`_move_table`);
+        prefetches a previous plan queued are forgotten."""
+        self._actions = self._move_table(trace, plan)
+        self._pending.clear()
+
+    def _begin_following(self) -> None:
+        """An iteration begins: no gradient is held past its last use yet."""
+        self._dead_held.clear()
 
     def _move_table(self, trace: Trace, plan: Any) -> list[tuple]:
         """Per op, the moves after it as ``(evict?, tensor id, key, runtime tier, planned
@@ -144,20 +221,22 @@ class PlanFollowing:
                     table[d] = tuple(table[d]) + ((None, t.id, None, None, None),)
         return table
 
-    def _issue_pending(self) -> None:
+    def _issue_pending(self, budget: float | None = None) -> None:
         """Start queued prefetches, in order: a planned one when it fits the budget, a
-        reactive plan's hint at the first op after the one it follows (making room)."""
+        reactive plan's hint at the first op after the one it follows (making room).
+        ``budget``: the room to wait for, where not the run's (see :meth:`_fire`)."""
         ledger = self._ledger
+        room = self.budget if budget is None else budget
         while self._pending:
             e = self._pending[0]
             if e.ref() is None or e.state != AWAY:
                 self._pending.popleft()
                 continue
-            if ledger.used + e.nbytes > self.budget and ledger.leaving:
+            if ledger.used + e.nbytes > room and ledger.leaving:
                 self._retire_leaving()  # (copies out that landed since give their room)
-            if ledger.used + e.nbytes > self.budget and self._dead_held and not self._hinted:
+            if ledger.used + e.nbytes > room and self._dead_held and not self._hinted:
                 self._evict_dead_held(e.nbytes)
-            if ledger.used + e.nbytes > self.budget:
+            if ledger.used + e.nbytes > room:
                 if not self._hinted:
                     return  # a planned prefetch waits for room (as simulated)
                 self._make_room(e.nbytes, [])  # a hint makes room, like a fault
@@ -209,12 +288,17 @@ class PlanFollowing:
         self._use_lists_of = (trace, lists)
         return lists
 
-    def _plan_layout(self, trace: Trace, plan: Any, hw: Any) -> dict[tuple[int, int, str], int]:
+    def _plan_layout(self, trace: Trace, plan: Any, hw: Any) -> None:
         """Offsets in the host pool and the SSD file for every stay a planned plan puts
-        there, laid out ahead of time by the pool planner (``tierflow.pool``, greedy: it
-        is fast and deterministic) so that the pool's layout follows the plan's
-        lifetimes instead of the order moves happen to arrive in. Keyed by (tensor,
-        first op of the stay, runtime tier). A reactive plan has no planned residency."""
+        there (``self._layout``), laid out ahead of time by the pool planner
+        (``tierflow.pool``, greedy: it is fast and deterministic) so that the pool's
+        layout follows the plan's lifetimes instead of the order moves happen to arrive
+        in. Keyed by (tensor, first op of the stay, runtime tier). A reactive plan has no
+        planned residency."""
+        self._layout = self._lay_out(trace, plan, hw)
+
+    def _lay_out(self, trace: Trace, plan: Any, hw: Any) -> dict[tuple[int, int, str], int]:
+        """:meth:`_plan_layout`'s offsets, and the span each tier needs (``_layout_need``)."""
         if plan.reactive:
             return {}
         from ..pool import from_trace, solve
@@ -336,12 +420,3 @@ class PlanFollowing:
             return "host"
         return "ssd" if self.hardware.tier(name).kind == "ssd" else "host"
 
-    def _mark_stale(self, why: str) -> None:
-        self._stale = True
-        self._fast = False
-        self._hooks_on()  # (the general path labels what is saved from here on)
-        self.stats.stale_plans += 1
-        if len(self.stats.stale_reasons) < 5:
-            self.stats.stale_reasons.append(why)
-        if self._host_active:  # host updates not yet begun wait for the step (runtime/host_step.py)
-            self._host_departed()

@@ -138,14 +138,12 @@ class HookFollower:
         self.j = 0  # next expected tick
         self.seg = 0
         self.pack_seq = 0
-        entries = run._iter_entries
         start_away = run._start_away
         for t in self.tensors:
             if t.persistent and t.key:
                 e = run._by_key.get(t.key)
                 if e is not None:
-                    entries[t.id] = e
-                    run._iter_tid[e.cdata] = t.id
+                    run._storages.bind(t.id, e)
                     # NOTE: the pager may have evicted model state the plan keeps (in the
                     # optimizer's ops, followed op by op); no op here would fetch it back,
                     # so the plan's start state is made whole first (vit-tiny at 30%: a
@@ -313,16 +311,16 @@ class HookFollower:
             # before the block and not the budget's)
             return
         run = self.run
-        e = run._entry(t, name)
+        e = run._storages.entry(t, name)
         if e is None:
             return
         if e.nbytes != self.tensors[tid].bytes and not e.foreign:
             self.depart(f"{key} has {e.nbytes} bytes, the trace has {self.tensors[tid].bytes}")
             return
-        run._label(e, kind, key, name)
-        run._iter_entries[tid] = e
-        run._iter_tid[e.cdata] = tid
-        run._note_peak()  # (counted from here: see the module docstring)
+        table = run._storages
+        table.label(e, kind, key, name)
+        table.bind(tid, e)
+        table.note_peak()  # (counted from here: see the module docstring)
 
 
 __all__ = ["FOLLOW_CHOICES", "HookFollower", "coarse_sigs"]

@@ -569,7 +569,7 @@ class HostSteps:
                     gst.resize_(0)
                     ge.state, ge.tier, ge.home, ge.slot = AWAY, "home", home, -1
                     self._leave(ev, n)  # (counted until the copy has read it)
-                    self._lru.pop(ge.cdata, None)
+                    self._storages.left_device(ge)
             else:  # (a view into a larger gradient buffer: copied, left where it is)
                 events.append(self._tiers.copier.copy(hp.grad_buf, g.detach(), g))
             self._count("device->host", "host", hp.grad_buf.numel() * hp.grad_buf.element_size())
@@ -639,7 +639,7 @@ class HostSteps:
                 e.arrival = None
             st.resize_(0)
             self._ledger.remove(e.nbytes)
-            self._lru.pop(e.cdata, None)
+            self._storages.left_device(e)
         elif e.tier != "home":  # away in the pool or the file: that copy is obsolete
             self._give_back_slots(e)
             e.slot, e.bounce = -1, -1

@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import math
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +25,7 @@ import torch
 from ..units import fmt_bytes
 from .errors import OffloadError, SSDError
 from .recompute import DROPPED
-from .storages import AWAY, INCOMING, OWNED, RESIDENT, _Entry, _u8
+from .storages import AWAY, INCOMING, RESIDENT, _Entry, _u8
 from .streams import Copier
 
 
@@ -79,10 +77,10 @@ class Moves:
             if ledger.used + need <= self.budget:
                 return
         if self._foreign:  # storages FSDP freed still count at their old size until looked at
-            self._sync_foreign()
+            self._storages.sync_foreign()
             if ledger.used + need <= self.budget:
                 return
-        if self._in_step and len(self.optimizer.state) != self._labelled_states:
+        if self._in_step and len(self.optimizer.state) != self._storages.labelled_states:
             self._label_opt_state()  # state the optimizer created in this step is evictable too
         pinned = {e.cdata for e in keep}
         if self._in_iter and self._planned and not self._stale:
@@ -161,8 +159,8 @@ class Moves:
             self.stats.busy_refusals += 1
             return False
         if st.nbytes() != e.nbytes:  # resized behind our back: its owner manages it
-            self._make_foreign(e)
-            self._sync_foreign()
+            self._storages.make_foreign(e)
+            self._storages.sync_foreign()
             return False
         n = e.nbytes
         if tier == "ssd" and tiers.ssd is None:
@@ -221,7 +219,7 @@ class Moves:
             self._ledger.remove(n)
         else:
             self._leave(ev, n)
-        self._lru.pop(e.cdata, None)
+        self._storages.left_device(e)
         self._count(f"device->{tier}", tier, n)
         self._count_move(e.kind, tier)
         return True
@@ -238,60 +236,6 @@ class Moves:
             return False
         self.stats.unplanned_evictions += 1
         return True
-
-    def _probe_move_s(self, rounds: int = 16, nbytes: int = 4096, tensors: int = 4) -> float:
-        """Seconds of this thread one planned move costs, measured: ``rounds`` times,
-        ``tensors`` scratch storages of ``nbytes`` are evicted and prefetched back through
-        the code a planned move takes on the lean path: the per-op move table fired after
-        an op (:meth:`_fire`), the pool slot, the copy, the resize, the bookkeeping, and
-        for a prefetch the queue of prefetches waiting for room (:meth:`_issue_pending`).
-        The CPU-mode hardware model charges it per transfer (``Hardware.move_issue_s``),
-        so that the planner weighs many small moves against a few large ones. The run's
-        stats, tables and queues are left as they were.
-
-        NOTE: it still runs warm, in a tight loop: on the 2-core VM it gives 5-9 us at
-        the first plan (3.5-4 us when run again later), about what ``_evict`` and
-        ``_fetch`` cost per call in a followed iteration (less their bytes), while each
-        planned move there adds more to the step (the move table's loop, the queue, the
-        pager's unplanned work, caches the copies evict): BENCHMARKS.md, "CPU-mode
-        prediction"."""
-        names = ("_actions", "_iter_entries", "_pending", "budget", "_hinted", "_dead_held")
-        with left_as_it_was(self, names):
-            planned_before = self.stats.planned_moves
-            with torch._C._DisableTorchDispatch():
-                ts = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(tensors)]
-            sts = [t.untyped_storage() for t in ts]
-            # (never in self._entries; each eviction takes its bytes off the device count and
-            # each fetch puts them back, so the count ends where it began)
-            es = [_Entry(-1 - k, nbytes, (lambda st=st: st), kind="activation", name="<move probe>")
-                  for k, st in enumerate(sts)]
-            # after op k: evict scratch tensor k; after op tensors + k: prefetch it (one move
-            # an op, about what a planned iteration fires: 1.3 on gpt-tiny at 30%)
-            self._actions = ([((True, k, None, "host", None),) for k in range(tensors)]
-                             + [((False, k, None, "host", None),) for k in range(tensors)])
-            self._iter_entries = es
-            self._pending, self._dead_held = deque(), deque()
-            self.budget, self._hinted = math.inf, False  # (the probe's bytes are not the budget's)
-            fire, ops = self._fire, range(2 * tensors)
-            try:
-                # (below the dispatch mode, as a move made while an op is dispatched runs)
-                with torch._C._DisableTorchDispatch():
-                    t0 = time.perf_counter()
-                    for _ in range(rounds):
-                        for op in ops:
-                            fire(op)
-                        self._reap()
-                    elapsed = time.perf_counter() - t0
-                moved = self.stats.planned_moves - planned_before
-            finally:
-                for e in es:
-                    if e.state != RESIDENT:
-                        self._fetch(e)
-                    self._lru.pop(e.cdata, None)  # (a fetched activation joins the LRU order)
-                self._reap(wait=True)
-        if moved != 2 * rounds * tensors:
-            return 0.0  # (a move was refused, the host pool full: nothing measured)
-        return elapsed / moved
 
     def _bounce_alloc(self, n: int) -> int:
         tiers = self._tiers
@@ -416,8 +360,7 @@ class Moves:
         self._ledger.add(n)
         tier = "host" if tier == "home" else tier
         self._count(f"{tier}->device", tier or "host", n)
-        if e.kind in OWNED:
-            self._lru[e.cdata] = e
+        self._storages.back_on_device(e)
 
     def _drop_away(self, e: _Entry, st: torch.UntypedStorage) -> None:
         """Forget the copy of an away storage that someone else re-allocated (and will
@@ -426,7 +369,7 @@ class Moves:
         e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
         e.nbytes = int(st.nbytes())
         self._ledger.add(e.nbytes)
-        self._make_foreign(e)
+        self._storages.make_foreign(e)
 
     def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
         """Retire an SSD write: release its bounce slot, or on failure put the tensor back
@@ -456,8 +399,7 @@ class Moves:
             st.resize_(n)
             _u8(st, n).copy_(tiers.ssd.bounce_view(e.bounce, n))
             self._ledger.add(n)
-            if e.kind in OWNED:
-                self._lru[e.cdata] = e
+            self._storages.back_on_device(e)
         tiers.ssd.bounce.release(e.bounce, n)
         e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
         raise SSDError(
@@ -492,11 +434,16 @@ class Moves:
             self._finish_write(e, wait=wait)
 
     def _retire_dead(self) -> None:
-        """Forget the storages that died since (their weak references said so)."""
-        while self._dead:
-            e = self._entries.get(self._dead.popleft())
-            if e is not None and e.ref() is None:  # (alive: the address holds a new storage)
-                self._retire(e)
+        """Forget the storages that died since (:meth:`StorageTable.retire_dead`)."""
+        self._storages.retire_dead()
+
+    def _storage_gone(self, e: _Entry) -> None:
+        """A storage died while not on the device (``StorageTable``'s ``gone_away``): its
+        slots go back to the tiers, or, dropped for recompute, its chain forgets it."""
+        if e.state == DROPPED:  # (for recompute: no bytes anywhere)
+            self._dropped_in.pop(e.cdata, None)
+        else:
+            self._give_back_slots(e)
 
     def _wait_for_transfers(self, reason: str) -> None:
         """Block until every copy and SSD write in flight has finished (a buffer is full

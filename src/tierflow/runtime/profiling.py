@@ -643,7 +643,7 @@ class Profiling:
                and self.stats.predicted_step_time_s is not None and self._hook is None)
         self._retimer = Retimer(trace, hw, plan, due)
         self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
-        self._layout = self._plan_layout(trace, plan, hw)
+        self._plan_layout(trace, plan, hw)
         self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
         self._n_ops, self._n_tensors = len(sigs), trace.n_tensors
@@ -667,11 +667,10 @@ class Profiling:
         self._views_only = [f is not None and _returns_views(f) and b is None and not self._write_spots[i]
                             for i, (f, b) in enumerate(zip(self._fast_funcs, self._bind_out))]
         self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
-        self._actions = self._move_table(trace, plan)
+        self._set_move_table(trace, plan)  # (and no prefetch of the last plan left queued)
         self._has_moves = [bool(a) for a in self._actions]
         self._next_op = list(range(1, trace.n_ops + 1))  # the op after each (host steps skip theirs)
         self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
-        self._pending.clear()
         born = [0] * (trace.n_ops + 1)
         for t in trace.tensors:
             if not t.persistent and not t.external:  # (an external tensor is there before op 0)

@@ -219,7 +219,7 @@ class Recomputing:
             st.resize_(0)
             e.state = DROPPED
             self._ledger.remove(e.nbytes)
-            self._lru.pop(e.cdata, None)
+            self._storages.left_device(e)
             self._dropped_in[e.cdata] = c
             chain.dropped.append((e, chain.source[tid]))
             self.stats.dropped_bytes += e.nbytes
@@ -353,7 +353,7 @@ class Recomputing:
         self._ledger.add(e.nbytes)
         self._dropped_in.pop(e.cdata, None)
         if e.key is not None:
-            self._lru[e.cdata] = e
+            self._storages.rejoin_lru(e)
         view = torch.empty(0, dtype=new.dtype, device=new.device)
         return view.set_(st, new.storage_offset(), new.size(), new.stride())
 

@@ -16,7 +16,10 @@ an op's arguments, cheaply: they run for every op.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,10 +278,68 @@ def _leaves(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-class StorageTracking:
-    """Storage records and labels (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+class StorageTable:
+    """The records of the device storages a run has seen, and the one writer of them.
 
-    def _entry(self, t: torch.Tensor, produced_by: str | None = None, counted: bool = True) -> _Entry | None:
+    Owns: every record by address (``entries``), the persistent ones by runtime key
+    (``by_key``), the owned resident ones in least-recently-used order (``lru``), the
+    addresses whose storage died and is not yet forgotten (``dead``, filled by weak
+    reference callbacks), storages someone else resizes (``foreign``); and, for the
+    iteration under way, the trace ids of the storages it has seen (``iter_entries``,
+    ``iter_tid``), the last op a profiled storage was alive at (``freed_at``), the
+    saved-tensor sequence number, the storage the unpack hook just returned, and how
+    much optimizer state has been labelled. Everyone else reads these containers (the
+    executor's lean path loads ``entries`` into a local once per op) and changes them
+    only through the methods below. The containers are never replaced, only changed
+    in place: a reader may keep a reference to one for the run's life.
+
+    Args:
+        ledger: the run's device accounting: a record's bytes are added when it is first
+            seen (where counted) and removed when it dies resident.
+        dev_attr: ``"is_cpu"`` or ``"is_cuda"``: the device the run tracks.
+        gone_away: called with the record of a storage that died while not resident
+            (away in a tier, or dropped for recompute), after the record is forgotten:
+            whoever holds its bytes there gives them back.
+        op_now: the index of the op about to run in the iteration. NOTE: a callable, not
+            a copy: the executor advances the op index on every op, and the table needs
+            it only when a storage of a profiled iteration dies.
+
+    Example:
+        >>> import torch
+        >>> from tierflow.runtime.ledger import DeviceLedger
+        >>> ledger = DeviceLedger()
+        >>> table = StorageTable(ledger, "is_cpu", gone_away=lambda e: None, op_now=lambda: 0)
+        >>> w = torch.zeros(4)
+        >>> e = table.entry(w, "w")
+        >>> table.label(e, "parameter", "param:w", "w")
+        >>> (e.kind, table.by_key["param:w"] is e, ledger.used)
+        ('parameter', True, 16)
+    """
+
+    def __init__(self, ledger: Any, dev_attr: str, gone_away: Callable[[_Entry], None],
+                 op_now: Callable[[], int]) -> None:
+        self._ledger, self._dev_attr = ledger, dev_attr
+        self._gone_away, self._op_now = gone_away, op_now
+        self.entries: dict[int, _Entry] = {}
+        self.lru: OrderedDict[int, _Entry] = OrderedDict()  # resident, owned, by last use
+        self.by_key: dict[str, _Entry] = {}
+        self.dead: deque[int] = deque()
+        self.foreign: dict[int, _Entry] = {}
+        # the iteration under way: following a plan, only the tensors the plan names are
+        # identified (bound), their trace ids index iter_entries; profiling, every tensor
+        # in order of first use
+        self.iter_entries: list[_Entry | None] = []
+        self.iter_tid: dict[int, int] = {}
+        self.freed_at: dict[int, int] = {}  # profiling: trace id -> last op its storage was alive
+        self.in_iter = False
+        self.recording = False
+        self.saved_seq = 0  # saved tensors packed so far in the iteration
+        self.unpacked: int | None = None  # profiling: the storage the unpack hook just returned
+        self.labelled_states = -1  # len(optimizer.state) when its tensors were last labelled
+
+    # -- records ---------------------------------------------------------------------
+
+    def entry(self, t: torch.Tensor, produced_by: str | None = None, counted: bool = True) -> _Entry | None:
         """The entry of ``t``'s storage (made on first sight), or None if it is not on the
         device or has no storage. ``counted=False`` where ``t`` is an op's input: a
         storage first seen so was not made by any op inside the block (every op there
@@ -294,26 +355,26 @@ class StorageTracking:
         except (RuntimeError, NotImplementedError):
             return None
         cdata = st._cdata
-        e = self._entries.get(cdata)
+        e = self.entries.get(cdata)
         if e is not None and e.ref() is None:  # a storage died and a new one took its address
-            self._retire(e)
+            self.retire(e)
             e = None
         if e is None:
-            e = self._new_entry(st, cdata, produced_by or "<pre-existing>", counted)
+            e = self.new_entry(st, cdata, produced_by or "<pre-existing>", counted)
         return e
 
-    def _new_entry(self, st: torch.UntypedStorage, cdata: int, name: str, counted: bool = True) -> _Entry:
+    def new_entry(self, st: torch.UntypedStorage, cdata: int, name: str, counted: bool = True) -> _Entry:
         """Start tracking storage ``st`` (at address ``cdata``): accounted on the device
         (where ``counted``), its death reported through a weak reference."""
         n = st.nbytes()
-        e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata: self._dead.append(c)), name=name,
+        e = _Entry(cdata, n, weakref.ref(st, lambda _r, c=cdata, dead=self.dead: dead.append(c)), name=name,
                    resizable=st.resizable(), counted=counted)
-        self._entries[cdata] = e
+        self.entries[cdata] = e
         if counted:
             self._ledger.add(n)
         return e
 
-    def _make_counted(self, e: _Entry) -> None:
+    def make_counted(self, e: _Entry) -> None:
         """A storage made before the block that the block now changes (resizes): its
         bytes are the budget's from now on."""
         if not e.counted:
@@ -321,25 +382,225 @@ class StorageTracking:
             if e.state is RESIDENT:
                 self._ledger.add(e.nbytes)
 
-    def _label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
+    def label(self, e: _Entry | None, kind: str, key: str, name: str) -> None:
+        """Say what ``e`` is (a label of a lower rank never replaces a higher one: a
+        parameter stays a parameter when autograd saves it)."""
         if e is None or (e.key is not None and _RANK[kind] >= _RANK[e.kind]):
             return
         e.kind, e.key, e.name = kind, key, name
         if e.persistent:
-            self._by_key[key] = e
+            self.by_key[key] = e
         if kind in OWNED and e.state == RESIDENT and e.resizable and not e.external and e.counted:
-            self._lru[e.cdata] = e
+            self.lru[e.cdata] = e
 
-    def _label_opt_state(self) -> None:
-        if self.optimizer is None:
+    def label_opt_state(self, optimizer: torch.optim.Optimizer | None, names: dict[int, str],
+                        held: Any = ()) -> None:
+        """Label the optimizer's state tensors (``opt:PARAM:KEY``), except those in
+        ``held`` (ids of state host steps keep on the host: never device bytes)."""
+        if optimizer is None:
             return
-        self._labelled_states = len(self.optimizer.state)
-        held = self._host_held  # optimizer state host steps keep on the host (never device bytes)
-        for p, state in self.optimizer.state.items():
-            pn = self._names.get(id(p), f"<param {id(p):x}>")
+        self.labelled_states = len(optimizer.state)
+        for p, state in optimizer.state.items():
+            pn = names.get(id(p), f"<param {id(p):x}>")
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and id(v) not in held:
-                    self._label(self._entry(v), "optimizer_state", f"opt:{pn}:{k}", f"{pn}.{k}")
+                    self.label(self.entry(v), "optimizer_state", f"opt:{pn}:{k}", f"{pn}.{k}")
+
+    def mark_external(self, e: _Entry) -> None:
+        """``e`` was made before the iteration and the user's loop holds it (the batch,
+        its targets; see :attr:`tierflow.trace.TensorInfo.external`): no plan moves it,
+        so neither does the pager (it would be fetched back on demand when the loop
+        comes back to that batch)."""
+        if e.kind in LOOP_KINDS and not e.foreign:
+            e.external = True
+            self.lru.pop(e.cdata, None)
+
+    def touch(self, used: list[_Entry]) -> None:
+        """The storages an op used move to the recent end of the LRU order."""
+        lru = self.lru
+        for e in used:
+            if e.cdata in lru:
+                lru.move_to_end(e.cdata)
+
+    def left_device(self, e: _Entry) -> None:
+        """``e``'s bytes left the device (evicted, dropped, moved to a host step's
+        buffer): no longer a victim the pager can pick."""
+        self.lru.pop(e.cdata, None)
+
+    def back_on_device(self, e: _Entry) -> None:
+        """``e``'s bytes are on the device again: an owned one joins the LRU order."""
+        if e.kind in OWNED:
+            self.lru[e.cdata] = e
+
+    def rejoin_lru(self, e: _Entry) -> None:
+        """``e`` (a labelled storage a recompute has just re-made) is a victim the pager
+        can pick again, as the most recently used."""
+        self.lru[e.cdata] = e
+
+    def retire(self, e: _Entry) -> None:
+        """Forget a storage that died (its device bytes, or its slots while away)."""
+        c = e.cdata
+        if self.entries.get(c) is not e:
+            return
+        del self.entries[c]
+        if e.key is not None:  # (a temporary, the common case, is in none of these)
+            self.lru.pop(c, None)
+            if self.by_key.get(e.key) is e:
+                del self.by_key[e.key]
+        if self.in_iter:
+            tid = self.iter_tid.pop(c, None)
+            if tid is not None and self.recording:
+                # (found dead before the op about to run: its memory was held through the op before)
+                self.freed_at[tid] = self._op_now() - 1
+        if e.foreign and self.foreign.get(c) is e:
+            del self.foreign[c]
+        if e.state is RESIDENT:
+            if e.counted:
+                self._ledger.remove(e.nbytes)
+        else:  # died away, or dropped for recompute: whoever holds its bytes lets them go
+            self._gone_away(e)
+
+    def retire_dead(self) -> None:
+        """Forget the storages that died since (their weak references said so)."""
+        dead, entries = self.dead, self.entries
+        while dead:
+            e = entries.get(dead.popleft())
+            if e is not None and e.ref() is None:  # (alive: the address holds a new storage)
+                self.retire(e)
+
+    # -- storages someone else resizes ------------------------------------------------
+
+    def make_foreign(self, e: _Entry) -> None:
+        """``e`` is resized by someone else (FSDP frees and re-allocates its unsharded
+        parameters with ``untyped_storage().resize_``): never move it, keep its size."""
+        if e.foreign:
+            return
+        self.make_counted(e)  # (its owner resizes it inside the block)
+        e.foreign, e.resizable = True, False
+        self.lru.pop(e.cdata, None)
+        self.foreign[e.cdata] = e
+
+    def sync_foreign(self) -> None:
+        """Account foreign storages at the size their owner left them (looked at when
+        the budget or the peak is in question: a storage FSDP grows again is then
+        written by an op, which accounts it)."""
+        for e in list(self.foreign.values()):
+            st = e.ref()
+            if st is None:
+                continue
+            n = st.nbytes()
+            if n != e.nbytes and e.state == RESIDENT:
+                self._ledger.add(n - e.nbytes)
+                e.top = max(e.top, e.nbytes, n)
+                e.nbytes = n
+
+    def resized(self, e: _Entry) -> int:
+        """Account a resident storage an op resized; the bytes it grew by."""
+        n = e.ref().nbytes()
+        self.make_counted(e)  # (resized inside the block)
+        self._ledger.add(n - e.nbytes)
+        grown = max(0, n - e.nbytes)
+        e.top = max(e.top, e.nbytes)
+        e.nbytes = n
+        return grown
+
+    def note_peak(self) -> None:
+        """The ledger's peak, with foreign storages counted at their size now."""
+        ledger = self._ledger
+        if ledger.used > ledger.peak:
+            if self.foreign:  # (FSDP may have freed some since: count them as they are)
+                self.sync_foreign()
+            ledger.note_peak()
+
+    # -- the iteration ----------------------------------------------------------------
+
+    def begin_iteration(self, recording: bool, n_tensors: int) -> None:
+        """An iteration begins: profiled (``recording``: every storage gets the next
+        trace id on first use) or following a trace of ``n_tensors`` tensors (ids bound
+        where the plan names them)."""
+        self.in_iter, self.recording = True, recording
+        self.saved_seq = 0
+        self.iter_tid.clear()
+        self.freed_at.clear()
+        self.iter_entries[:] = [] if recording else [None] * n_tensors
+
+    def end_iteration(self) -> None:
+        """The iteration's ops are over: a storage that dies from here on is not one of
+        its tensors' deaths (the trace ids stay until :meth:`forget_iteration`: the trace
+        is built from them)."""
+        self.in_iter = False
+
+    def forget_iteration(self) -> None:
+        """The ended iteration's trace ids are forgotten (``freed_at`` stays until the
+        next begins)."""
+        self.iter_tid.clear()
+        self.iter_entries.clear()
+
+    @contextlib.contextmanager
+    def borrowed_ids(self, entries: list[_Entry]) -> Iterator[None]:
+        """For a probe that runs scratch storages through the follower's code: trace ids
+        ``0..len(entries)-1`` name ``entries`` inside the block; the iteration's own ids
+        are put back on the way out."""
+        kept = list(self.iter_entries)
+        self.iter_entries[:] = entries
+        try:
+            yield
+        finally:
+            self.iter_entries[:] = kept
+
+    def tid(self, e: _Entry) -> int:
+        """``e``'s trace id in the profiled iteration (the next one on first sight)."""
+        tid = self.iter_tid.get(e.cdata)
+        if tid is None:
+            tid = self.iter_tid[e.cdata] = len(self.iter_entries)
+            self.iter_entries.append(e)
+        return tid
+
+    def bind(self, tid: int, e: _Entry) -> None:
+        """Following a plan: ``e`` is the trace's tensor ``tid`` in this iteration."""
+        self.iter_entries[tid] = e
+        self.iter_tid[e.cdata] = tid
+
+    def next_saved_seq(self) -> int:
+        """The sequence number of the next saved tensor of the iteration."""
+        seq = self.saved_seq
+        self.saved_seq = seq + 1
+        return seq
+
+    def note_unpacked(self, cdata: int | None) -> None:
+        """The unpack hook returned the storage at ``cdata`` (None: forget it)."""
+        self.unpacked = cdata
+
+    def take_unpacked(self) -> int | None:
+        """The storage the unpack hook returned last, forgotten as it is read."""
+        c, self.unpacked = self.unpacked, None
+        return c
+
+    def clear(self) -> None:
+        """The run ends: forget every record (no bytes are accounted or given back)."""
+        self.entries.clear()
+        self.lru.clear()
+        self.by_key.clear()
+        self.foreign.clear()
+
+
+class StorageTracking:
+    """The saved-tensor and gradient hooks that label storages (a mixin of
+    :class:`~tierflow.runtime.executor.Run`; the records are :class:`StorageTable`'s,
+    ``self._storages``)."""
+
+    def _entry(self, t: torch.Tensor, produced_by: str | None = None, counted: bool = True) -> _Entry | None:
+        """:meth:`StorageTable.entry` (for the mixins that still reach it through ``self``)."""
+        return self._storages.entry(t, produced_by, counted)
+
+    def _note_peak(self) -> None:
+        """:meth:`StorageTable.note_peak`."""
+        self._storages.note_peak()
+
+    def _label_opt_state(self) -> None:
+        """Label the optimizer's state (:meth:`StorageTable.label_opt_state`), less what
+        host steps keep on the host."""
+        self._storages.label_opt_state(self.optimizer, self._names, self._host_held)
 
     def _on_grad(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -350,28 +611,22 @@ class StorageTracking:
             if p.grad is not None and not self._fast:  # (following a plan, _bind labels gradients)
                 self._opfacts.tick("grad", name)
                 with self._own_ops():
-                    self._label(self._entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
+                    table = self._storages
+                    table.label(table.entry(p.grad), "gradient", f"grad:{name}", f"{name}.grad")
         return hook
-
-    def _tid(self, e: _Entry) -> int:
-        tid = self._iter_tid.get(e.cdata)
-        if tid is None:
-            tid = self._iter_tid[e.cdata] = len(self._iter_entries)
-            self._iter_entries.append(e)
-        return tid
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._hook is not None and self._hook.active:  # (following at ticks: runtime/hook_follow.py)
             self._hook.pack(t)
         elif self._in_iter and not self._fast:  # (following a plan, _bind labels activations)
-            seq = self._saved_seq
-            self._saved_seq = seq + 1
+            table = self._storages
+            seq = table.next_saved_seq()
             self._opfacts.tick("pack", str(seq))
             # (autograd saves before the op reaches the mode: a storage new here is an
             # input made before the block, the target a loss saves, say)
-            e = self._entry(t, "saved", counted=False)
+            e = table.entry(t, "saved", counted=False)
             if e is not None and e.kind == "temporary":
-                self._label(e, "activation", f"saved:{seq}", f"saved{seq}")
+                table.label(e, "activation", f"saved:{seq}", f"saved{seq}")
         # not t: an output saved by its own grad_fn would tie graph and output in a cycle.
         # NOTE: a plain tensor's detach skips the dispatch mode (it is not the user's op,
         # and a trip through the Python mode costs tens of microseconds per saved tensor)
@@ -389,7 +644,7 @@ class StorageTracking:
             return t
         p = _plain(t) if type(t) not in _PLAIN else t
         if self._recording:  # autograd may detach what we return: that op is ours, not the model's
-            self._unpacked = _storage_id(p)
+            self._storages.note_unpacked(_storage_id(p))
         e = self._entries.get(p.untyped_storage()._cdata) if getattr(p, self._dev_attr) is True else None
         if self._opfacts.logging_ticks:
             self._opfacts.tick("unpack", (e.key or "") if e is not None else "")
@@ -397,7 +652,7 @@ class StorageTracking:
             with self._own_ops():
                 self._make_room(e.nbytes if e.state != RESIDENT else 0, [e])
                 self._ensure_resident(e)
-                self._note_peak()
+                self._storages.note_peak()
         return t
 
     def _hooks_off_for_iteration(self) -> None:
@@ -425,31 +680,6 @@ class StorageTracking:
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._hooks_off = False
 
-    def _retire(self, e: _Entry) -> None:
-        """Forget a storage that died (its device bytes, or its slots while away)."""
-        c = e.cdata
-        if self._entries.get(c) is not e:
-            return
-        del self._entries[c]
-        if e.key is not None:  # (a temporary, the common case, is in none of these)
-            self._lru.pop(c, None)
-            if self._by_key.get(e.key) is e:
-                del self._by_key[e.key]
-        if self._in_iter:
-            tid = self._iter_tid.pop(c, None)
-            if tid is not None and self._recording:
-                # (found dead before op ``_op`` runs: its memory was held through the op before)
-                self._freed_at[tid] = self._op - 1
-        if e.foreign and self._foreign.get(c) is e:
-            del self._foreign[c]
-        if e.state is RESIDENT:
-            if e.counted:
-                self._ledger.remove(e.nbytes)
-        elif e.state == "dropped":  # (for recompute: no bytes anywhere)
-            self._dropped_in.pop(c, None)
-        else:  # died while away: give its slots back
-            self._give_back_slots(e)
-
     def _on_special(self, kind: int, out: Any, ins: list[_Entry], outs: list[_Entry], wrote: list[_Entry]) -> None:
         """After a collective (``kind`` 1): every storage it reads or writes is pinned
         until its ``Work`` completes (a gloo thread or an NCCL kernel still uses the
@@ -461,38 +691,7 @@ class StorageTracking:
             self._collectives.pin(_works(out), list({e.cdata: e for e in ins + outs}.values()), wrote)
         else:
             for e in wrote:
-                self._make_foreign(e)
-
-    def _make_foreign(self, e: _Entry) -> None:
-        """``e`` is resized by someone else (FSDP frees and re-allocates its unsharded
-        parameters with ``untyped_storage().resize_``): never move it, keep its size."""
-        if e.foreign:
-            return
-        self._make_counted(e)  # (its owner resizes it inside the block)
-        e.foreign, e.resizable = True, False
-        self._lru.pop(e.cdata, None)
-        self._foreign[e.cdata] = e
-
-    def _sync_foreign(self) -> None:
-        """Account foreign storages at the size their owner left them (looked at when
-        the budget or the peak is in question: a storage FSDP grows again is then
-        written by an op, which accounts it)."""
-        for e in list(self._foreign.values()):
-            st = e.ref()
-            if st is None:
-                continue
-            n = st.nbytes()
-            if n != e.nbytes and e.state == RESIDENT:
-                self._ledger.add(n - e.nbytes)
-                e.top = max(e.top, e.nbytes, n)
-                e.nbytes = n
-
-    def _note_peak(self) -> None:
-        ledger = self._ledger
-        if ledger.used > ledger.peak:
-            if self._foreign:  # (FSDP may have freed some since: count them as they are)
-                self._sync_foreign()
-            ledger.note_peak()
+                self._storages.make_foreign(e)
 
     def _state_tensors(self) -> list[torch.Tensor]:
         out = list(self.model.parameters()) + list(self.model.buffers())
