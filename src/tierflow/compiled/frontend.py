@@ -41,7 +41,7 @@ from ..units import fmt_bytes
 from .graph_trace import GraphFacts
 from .hook import PartitionRecord, PlanPartitioner, hook_support
 from .memo import PlanMemo, graph_key
-from .plan import GraphPlan, floor_curve, plan_graph
+from .plan import GraphPlan, curve_with, floor_curve, plan_graph
 from .predict import predict_graph
 
 BACKENDS = ("inductor", "aot_eager")
@@ -74,8 +74,14 @@ class GraphReport:
             stays saved; what torch took along with one, a layer norm's statistics with
             its output, is counted).
         offloaded_bytes: bytes of the offloaded ones.
-        predicted_peak_bytes, predicted_peak_bytes_planned: the graph's trace's peak
-            without and with the plan; target_bytes: what the plan aimed at.
+        predicted_peak_bytes, predicted_peak_bytes_planned: the graph's peak on its
+            trace without and with the plan, one basis (the graph's own ops): torch's
+            unplanned partition, and the real partition with what it moves
+            (:func:`partition_peak`: recomputes done, offloads and moved gradients off
+            inside their gaps, early copies back counted from their start).
+        plan_peak_bytes: the plan's own curve's peak (on the unplanned partition's
+            trace with the loss's estimate and the other graphs' terms the target is
+            set against); target_bytes: what the plan aimed at, on that curve.
         unreachable: the target could not be met by offloading or recomputing saved tensors.
         calls: compiled forward calls of this graph.
         made_saved_bytes: bytes of the saved tensors the forward makes (what a later
@@ -120,6 +126,7 @@ class GraphReport:
     offloaded_bytes: int = 0
     predicted_peak_bytes: int = 0
     predicted_peak_bytes_planned: int = 0
+    plan_peak_bytes: int = 0
     target_bytes: int | None = None
     unreachable: bool = False
     calls: int = 0
@@ -285,6 +292,30 @@ def with_other_grads(facts: GraphFacts, nbytes: int) -> GraphFacts:
     curve = facts.curve.copy()
     curve[facts.n_fwd:] += nbytes
     return dataclasses.replace(facts, curve=curve)
+
+
+def partition_peak(rec: PartitionRecord) -> int:
+    """The peak of the real partition's curve with what the graph really moves: the
+    same basis as the unplanned trace peak (``GraphFacts.peak_bytes``: the graph's own
+    ops, no estimate of the loss or of other graphs).
+
+    The real partition's trace (torch's partition with the plan's recompute tags, so
+    what torch recomputed is gone and what recompute added at its frontier is there),
+    less each offloaded storage inside its gap (a storage group once, as its base) and
+    each gradient moved inside the backward graph; a copy back that starts ahead of its
+    first use (CUDA: :attr:`PartitionRecord.prefetch_start`) holds its bytes from its start.
+    """
+    real = rec.real if rec.real is not None else rec.facts
+    saved = {s.name: s for s in real.saved}
+    moved = [saved[n] for n in rec.offloaded if n in saved]
+    grads = {g.name: g for g in real.grads}
+    moved += [grads[n] for n in rec.grads_offloaded if n in grads]
+    curve = curve_with(real, moved)
+    for n, start in rec.prefetch_start.items():
+        s = saved.get(n)
+        if s is not None:
+            curve[start : s.first_bwd_use] += s.bytes
+    return int(curve.max()) if len(curve) else 0
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backend: str,
@@ -534,8 +565,8 @@ class CompiledOffload:
         report.recomputed = len(rec.recomputed)
         report.kept = rec.saved_count_after - report.offloaded
         report.predicted_peak_bytes = facts.peak_bytes
-        # (a copy back that starts early holds its bytes from the start: that curve's peak counts)
-        report.predicted_peak_bytes_planned = max(plan.predicted_peak_bytes, rec.prefetch_peak_bytes)
+        report.plan_peak_bytes = plan.predicted_peak_bytes
+        report.predicted_peak_bytes_planned = partition_peak(rec)
         report.target_bytes = plan.target_bytes
         report.unreachable = plan.unreachable
         try:
