@@ -100,6 +100,10 @@ class PartitionRecord:
             (:func:`tierflow.compiled.prefetch.prefetch_points`).
         tags_dropped: partitioning with the recompute tags failed, the graph was
             partitioned without them.
+        real: the real partition as a trace (before the offload rewrite): the basis
+            of ``GraphReport.predicted_peak_bytes_planned``.
+        prefetch_start: per copy back started ahead of its first use, the op of
+            ``real``'s trace it starts at.
     """
 
     facts: GraphFacts
@@ -114,6 +118,8 @@ class PartitionRecord:
     slot_bytes: dict[str, int] = field(default_factory=dict)
     prefetch_ops: dict[str, int] = field(default_factory=dict)
     prefetch_peak_bytes: int = 0
+    real: GraphFacts | None = None
+    prefetch_start: dict[str, int] = field(default_factory=dict)
 
 
 _PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py", "prefetch.py")
@@ -198,6 +204,7 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         # mean and rstd with its output): every name of the unplanned saved set gone.
         record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
         record.saved_count_after = len(real.saved)
+        record.real = real
         if plan.offload or plan.offload_grads:
             self._rewrite(fwd, bwd, n_out, plan, record, real)
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
@@ -304,6 +311,8 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
             record.offloaded.append(x.name)
             record.slots[x.name] = slot
             record.prefetch_ops[x.name] = sum(1 for n in bwd_ops if bwd_order[begin] <= bwd_order[n] < bwd_order[first])
+            if begin is not first:
+                record.prefetch_start[x.name] = prefetch.start[x.name]
         record.prefetch_peak_bytes = int(prefetch.curve.max()) if len(prefetch.curve) else 0
         output.args = (tuple(outs),)
         if plan.offload_grads:
