@@ -437,7 +437,8 @@ class CompiledOffload:
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
         self._reserve_for([[rec.slots[n], nbytes] for n, nbytes in moved.items()]
-                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()])
+                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()]
+                          + [[slot, nbytes] for slot, nbytes in rec.tangents_moved.values()])
         report.grads_offloaded = len(rec.grads_offloaded)
         report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())
 
