@@ -89,6 +89,8 @@ class GraphReport:
         carried_bytes: saved bytes earlier graphs of the step keep while this one runs,
             as its plan counted them; other_grads_bytes: other graphs' parameter
             gradients held under its backward, as its plan counted them.
+        tangents_moved, tangents_moved_bytes: gradients the backward graph receives
+            that it copies out between their early and late readers.
     """
 
     index: int
@@ -113,6 +115,8 @@ class GraphReport:
     ends_at_break: bool = False
     carried_bytes: int = 0
     other_grads_bytes: int = 0
+    tangents_moved: int = 0
+    tangents_moved_bytes: int = 0
 
     @property
     def recompile(self) -> bool:
@@ -441,6 +445,8 @@ class CompiledOffload:
                           + [[slot, nbytes] for slot, nbytes in rec.tangents_moved.values()])
         report.grads_offloaded = len(rec.grads_offloaded)
         report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())
+        report.tangents_moved = len(rec.tangents_moved)
+        report.tangents_moved_bytes = sum(b for _, b in rec.tangents_moved.values())
 
     def __enter__(self) -> CompiledOffload:
         return self

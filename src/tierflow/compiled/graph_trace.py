@@ -375,10 +375,14 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
     for n in bwd_out:
         if ("bwd", n.name) in tid:
             held[tid[("bwd", n.name)]] = last
-    # Torch's runtime holds the backward graph's other inputs (the output gradients)
-    # until the graph returns: AOT autograd's backward keeps them among its arguments
-    # while the compiled graph runs (measured: HF GPT-2's 16 MiB logits gradient was live
-    # at graph 0's allocator peak, layers after its last reader, offloaded or not).
+    # The backward graph's other inputs (the output gradients) are held to its end.
+    # NOTE: conservative. This was modelled on HF GPT-2's 16 MiB logits gradient, live at
+    # the backward's allocator peak long after its first reader; what held it was its
+    # last reader, inductor's fused tied-embedding addmm, the backward's last kernel.
+    # Measured since: copied out between its readers (HeldTangent), it left the peak as
+    # it did when its storage was also freed in place, so nothing outside the graph
+    # holds it (GPT-2 4L at 30%: 40.9 MiB either way). Freed at the last reader would be
+    # exact; the plans of the other models were measured with this curve.
     for p in bwd.graph.find_nodes(op="placeholder"):
         if p.name not in saved_names and ("bwd", p.name) in tid:
             held[tid[("bwd", p.name)]] = last
