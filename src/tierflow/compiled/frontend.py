@@ -115,6 +115,8 @@ class GraphReport:
         floor_above_budget: ``floor_bytes > budget_bytes``: no plan meets the budget;
             said once, as a :class:`BudgetWarning`, before the graph's backward first
             runs (when it is compiled, or when the rest of the model is).
+        tangents_moved, tangents_moved_bytes: gradients the backward graph receives
+            that it copies out between their early and late readers.
     """
 
     index: int
@@ -145,6 +147,8 @@ class GraphReport:
     floor_op: str = ""
     floor_above_budget: bool = False
     model_peak_bytes: int = 0
+    tangents_moved: int = 0
+    tangents_moved_bytes: int = 0
 
     @property
     def recompile(self) -> bool:
@@ -578,9 +582,12 @@ class CompiledOffload:
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
         self._reserve_for([[rec.slots[n], nbytes] for n, nbytes in moved.items()]
-                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()])
+                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()]
+                          + [[slot, nbytes] for slot, nbytes in rec.tangents_moved.values()])
         report.grads_offloaded = len(rec.grads_offloaded)
         report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())
+        report.tangents_moved = len(rec.tangents_moved)
+        report.tangents_moved_bytes = sum(b for _, b in rec.tangents_moved.values())
 
     def __enter__(self) -> CompiledOffload:
         """Attach to the device's back-end (opening its host pool where no other
