@@ -306,7 +306,8 @@ def partition_peak(rec: PartitionRecord) -> int:
     The real partition's trace (torch's partition with the plan's recompute tags, so
     what torch recomputed is gone and what recompute added at its frontier is there),
     less each offloaded storage inside its gap (a storage group once, as its base) and
-    each gradient moved inside the backward graph; a copy back that starts ahead of its
+    each gradient moved inside the backward graph, each received gradient moved between
+    its readers; a copy back that starts ahead of its
     first use (CUDA: :attr:`PartitionRecord.prefetch_start`) holds its bytes from its start.
     """
     real = rec.real if rec.real is not None else rec.facts
@@ -314,7 +315,7 @@ def partition_peak(rec: PartitionRecord) -> int:
     moved = [saved[n] for n in rec.offloaded if n in saved]
     grads = {g.name: g for g in real.grads}
     moved += [grads[n] for n in rec.grads_offloaded if n in grads]
-    curve = curve_with(real, moved)
+    curve = curve_with(real, moved, [t for t in real.tangents if t.name in rec.tangents_moved])
     for n, start in rec.prefetch_start.items():
         s = saved.get(n)
         if s is not None:

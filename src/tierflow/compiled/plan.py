@@ -102,12 +102,15 @@ def recompute_s(facts: GraphFacts, tensor: int, stays: set[int]) -> float:
     return cost
 
 
-def curve_with(facts: GraphFacts, offload: list[SavedTensor]) -> np.ndarray:
+def curve_with(facts: GraphFacts, offload: list[SavedTensor], tangents: list[HeldTangent] = ()) -> np.ndarray:
     """The facts' live-bytes curve with ``offload`` (offloaded or recomputed tensors) off
-    the device inside their gaps, once per storage."""
+    the device inside their gaps, once per storage, and the received gradients
+    ``tangents`` off it between their readers."""
     curve = facts.curve.copy()
     for s in {s.tensor: s for s in offload}.values():
         _drop(curve, [s])
+    for t in tangents:
+        _drop_tangent(curve, t)
     return curve
 
 
