@@ -382,6 +382,10 @@ class Mover:
         for e in list(self.writes):
             self.finish_write(e, wait=wait)
 
+    def drain_copies(self) -> None:
+        """Wait for every copy in flight on the copier (by design: not counted as a wait)."""
+        self._tiers.copier.drain()
+
     def wait_for_transfers(self, reason: str) -> None:
         """Block until every copy and SSD write in flight has finished (a buffer is full
         and they hold it), counting the wait if there was one."""
