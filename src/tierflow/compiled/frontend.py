@@ -305,8 +305,9 @@ def partition_peak(rec: PartitionRecord) -> int:
 
     The real partition's trace (torch's partition with the plan's recompute tags, so
     what torch recomputed is gone and what recompute added at its frontier is there),
-    less each offloaded storage inside its gap (a storage group once, as its base) and
-    each gradient moved inside the backward graph; a copy back that starts ahead of its
+    less each offloaded storage inside its gap (a storage group once, as its base), each
+    gradient moved inside the backward graph and each received gradient (a tangent)
+    copied out between its early and late readers; a copy back that starts ahead of its
     first use (CUDA: :attr:`PartitionRecord.prefetch_start`) holds its bytes from its start.
     """
     real = rec.real if rec.real is not None else rec.facts
@@ -315,6 +316,10 @@ def partition_peak(rec: PartitionRecord) -> int:
     grads = {g.name: g for g in real.grads}
     moved += [grads[n] for n in rec.grads_offloaded if n in grads]
     curve = curve_with(real, moved)
+    for t in real.tangents:  # a received gradient copied out between its readers
+        if t.name in rec.tangents_moved:
+            for lo, hi in t.off_device(len(curve)):
+                curve[lo:hi] -= t.bytes
     for n, start in rec.prefetch_start.items():
         s = saved.get(n)
         if s is not None:
