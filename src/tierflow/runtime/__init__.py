@@ -13,12 +13,18 @@ Layout (one job per module; :class:`~.executor.Run` is assembled from the mixins
   file, and retiring finished copies and writes.
 - :mod:`.follow`: following a plan: the moves after each op, planned prefetches,
   victims, the pool layout, stale iterations.
-- :mod:`.profiling`: the profiled iteration to a trace, the hardware model, the plan
-  and its prediction, the minimum-working-set check.
+- :mod:`.profiling`: the profiled iteration to a trace, the plan and its prediction,
+  the minimum-working-set check. Components it asks: :mod:`.profile_record`
+  (``ProfileRecord``: the profiled iteration's ops, their times, what the loop held),
+  :mod:`.profile_schedule` (``ProfileSchedule``: whether the next iteration is
+  profiled, and why), :mod:`.machine_model` (``MachineModel``: the hardware plans are
+  made for, from what is measured here).
+- :mod:`.step_clock`: the steps' times (``StepClock``) and whether
+  ``optimizer.step()`` is running (``StepNesting``).
 - :mod:`.opfacts`: the profiled ops' module scopes (a scope tracker active for the
   profiled iteration only) and ``rng``/``pure`` flags, as capture records them.
 - :mod:`.optim_chunks`: the user's optimizer step run in parameter chunks that fit the
-  budget (foreach and fused optimizers).
+  budget (foreach and fused optimizers), leaving out what host steps update.
 - :mod:`.recompute`, :mod:`.host_step`: executing the plan's recompute chains and
   host-side optimizer steps.
 - :mod:`.tiers` (host pool, SSD file), :mod:`.streams` (the copy layer),
