@@ -289,7 +289,10 @@ class CompiledOffload:
     Attributes:
         model: the compiled model to call in the training loop.
         backend: the device's :class:`~tierflow.runtime.backend.Backend` moving the
-            bytes (one per device and process; ``stats`` counts from this object's start).
+            bytes (one per device and process, shared with an ``offload`` block on the
+            same device; ``stats`` counts from this object's start). The block attaches
+            to it on ``__enter__`` and detaches on ``__exit__``: the host pool is given
+            back when no front-end holds it.
         graphs: one :class:`GraphReport` per compiled graph.
         compiles: graphs compiled (Dynamo's recompiles and graph breaks each add one).
     """
@@ -306,6 +309,7 @@ class CompiledOffload:
         self.records: list[PartitionRecord] = []
         self.compiles = 0
         self._memo = PlanMemo()
+        self._all_reserved: list[tuple[int, int]] = []  # (slot, bytes) of every graph's host buffers
         self._step_times: list[float] = []
         self._trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self.model = torch.compile(model, backend=self._compile, **compile_kwargs)
@@ -355,6 +359,7 @@ class CompiledOffload:
         for slot, nbytes in reserve:
             self._pending.append(lambda slot=slot, nbytes=nbytes: self.backend.reserve(slot, nbytes))
             self._reserved.append([slot, nbytes])
+            self._all_reserved.append((slot, nbytes))
 
     def _earlier(self, report: GraphReport) -> list[GraphReport]:
         """The graphs that ran before ``report``'s in the same step: compiled before it,
@@ -442,11 +447,19 @@ class CompiledOffload:
         report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())
 
     def __enter__(self) -> CompiledOffload:
+        """Attach to the device's back-end (opening its host pool where no other
+        front-end holds it) and make the host buffers of the graphs compiled so far
+        (a block entered again after its pool was given back)."""
+        self.backend.attach(self)
+        for slot, nbytes in self._all_reserved:
+            self.backend.reserve(slot, nbytes)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         # A forward whose backward never ran leaves tickets on the host tier.
         self.backend.drop_outstanding()
+        # the last front-end out gives the host pool (pinned on CUDA) back
+        self.backend.detach(self)
 
     # -- what the run did -------------------------------------------------------------
     def record_step(self, seconds: float) -> None:

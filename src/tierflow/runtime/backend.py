@@ -31,10 +31,13 @@ host buffer given back while a copy back still reads it is reused only after tha
 step and every copy is done at once: what the allocator sees during a step is the
 device side only, as on a GPU.
 
-The eager runtime (:class:`tierflow.runtime.executor.Run`) opens a ``Tiers`` per
-``offload`` block (sized from its arguments, with an SSD file where asked); a
-:class:`Backend` holds one for its device for the process's life (:func:`backend_for`)
-or the one it is given (see docs/runtime.md, "Front-ends and back-ends").
+One ``Backend`` per device and process (:func:`backend_for`) serves both front-ends:
+an ``offload`` block (:class:`tierflow.runtime.executor.Run`) and a compiled run
+(:class:`tierflow.compiled.frontend.CompiledOffload`) :meth:`Backend.attach` to it and
+:meth:`Backend.detach` from it; the first one attached opens the ``Tiers`` (an
+``offload`` block with its own sizes: a fixed host pool, an SSD tier), the last one out
+closes it, so the host pool's (pinned) memory goes back when nothing uses it. See
+docs/runtime.md, "Back-end".
 """
 
 from __future__ import annotations
@@ -42,11 +45,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .errors import OffloadError
 from .tier_set import Tiers
 from .tiers import HostPool, host_memory_bound
 
@@ -152,13 +157,20 @@ def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 class Backend:
-    """Moves saved activations to the host tier and back (see the module docstring).
+    """The device's back-end: moves saved activations to the host tier and back, through
+    the one :class:`~tierflow.runtime.tier_set.Tiers` both front-ends share (see the
+    module docstring).
+
+    Front-ends use it between :meth:`attach` and :meth:`detach`; the ``Tiers`` (its host
+    pool, pinned on CUDA) is opened by the first front-end attached and closed when the
+    last one detaches, so its memory goes back to the host when nothing uses it.
 
     Args:
         device: where the tensors live (``cpu`` or a CUDA device).
-        tiers: the host pool and copier to move them with; by default a ``Tiers`` of
-            its own, whose pool grows by chunks up to the host's available memory (less
-            a margin), with no SSD tier.
+        tiers: the host pool and copier to move them with (a test's); by default the
+            first front-end attached opens them (:meth:`attach`), or, where an op runs
+            with none attached, a ``Tiers`` whose pool grows by chunks up to the host's
+            available memory (less a margin), with no SSD tier.
 
     Example:
         >>> be = Backend(torch.device("cpu"))
@@ -169,16 +181,108 @@ class Backend:
 
     def __init__(self, device: torch.device, tiers: Tiers | None = None) -> None:
         self.device = torch.device(device)
-        if tiers is None:
-            tiers = Tiers(self.device, HostPool(host_memory_bound(), pin=self.device.type == "cuda"), None)
-        self.tiers = tiers
-        self.slots = HostSlots(tiers)
+        self._tiers: Tiers | None = tiers
+        self._slots: HostSlots | None = HostSlots(tiers) if tiers is not None else None
+        self._users: list[object] = []  # the front-ends attached (a list: by identity)
+        self._sized_by: str | None = None  # what the first front-end sized the tiers by
         self.stats = BackendStats()
         self._tickets: dict[int, _Ticket] = {}
         self._arriving: dict[int, _Arriving] = {}  # copies back started, not yet waited for
         self._next = itertools.count(1)
         # Custom ops may run from autograd's worker thread (CUDA backward).
         self._lock = threading.Lock()
+
+    # -- lifetime ---------------------------------------------------------------------
+    def _open_default(self) -> Tiers:
+        return Tiers(self.device, HostPool(host_memory_bound(), pin=self.device.type == "cuda"), None)
+
+    @property
+    def tiers(self) -> Tiers:
+        """The open ``Tiers``; opened with the default sizes where none is (a compiled
+        graph called with no front-end attached: closed at the next last :meth:`detach`)."""
+        if self._tiers is None:
+            self._tiers = self._open_default()
+            self._slots = HostSlots(self._tiers)
+        return self._tiers
+
+    @property
+    def slots(self) -> HostSlots:
+        """The compiled slots' host buffers, in the open ``Tiers``' host pool."""
+        self.tiers  # noqa: B018 - (opens them where none are)
+        assert self._slots is not None
+        return self._slots
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a ``Tiers`` is open (its host pool may hold memory)."""
+        return self._tiers is not None
+
+    @property
+    def users(self) -> int:
+        """Front-ends attached now."""
+        return len(self._users)
+
+    def attach(self, user: object, open_tiers: Callable[[], Tiers] | None = None, *,
+               sized: str | None = None) -> Tiers:
+        """Start using the back-end; the ``Tiers`` to move bytes with.
+
+        Args:
+            user: the front-end (an ``offload`` block's ``Run``, a ``CompiledOffload``);
+                :meth:`detach` it when done.
+            open_tiers: makes the ``Tiers`` where none is open (an ``offload`` block's,
+                sized from its arguments); by default a growable host pool, no SSD.
+            sized: what ``open_tiers`` sets that the default does not (``"host_bytes"``,
+                ``"ssd_dir"``): such a front-end must be the first attached.
+
+        Raises:
+            OffloadError: ``sized`` is given while another front-end holds tiers it
+                opened otherwise (one host pool per device: a fixed size or an SSD tier
+                is chosen by the first front-end).
+        """
+        if self._tiers is not None and self._users and sized is not None and sized != self._sized_by:
+            raise OffloadError(
+                f"tierflow: the {self.device} back-end is already open (a compiled run or another offload "
+                f"block holds its host pool): {sized} can be given only by the first front-end on a device; "
+                f"open this block first, or leave {sized} out")
+        if self._tiers is None or not self._users and sized is not None:
+            if self._tiers is not None:  # (opened by an op with no front-end: none holds it)
+                self._close()
+            self._tiers = open_tiers() if open_tiers is not None else self._open_default()
+            self._slots = HostSlots(self._tiers)
+            self._sized_by = sized
+        self._users.append(user)
+        return self._tiers
+
+    def detach(self, user: object) -> int:
+        """Stop using the back-end; the host pool's peak use so far (bytes). The last
+        front-end to detach closes the ``Tiers``: the host pool (pinned on CUDA) and
+        the SSD store are given back (a ticket still out, a forward whose backward
+        never ran, is dropped), and the next :meth:`attach` opens new ones.
+
+        Raises:
+            ValueError: ``user`` is not attached.
+        """
+        for i, u in enumerate(self._users):
+            if u is user:
+                del self._users[i]
+                break
+        else:
+            raise ValueError("tierflow back-end: detach of a front-end that is not attached")
+        if self._tiers is None:
+            return 0
+        peak = self._tiers.host.arena.peak
+        if not self._users:
+            self._close()
+        return peak
+
+    def _close(self) -> None:
+        tiers = self._tiers
+        assert tiers is not None
+        self.drop_outstanding()
+        tiers.copier.drain()  # (no copy may still read or write a chunk given back)
+        tiers.close()
+        self._tiers = self._slots = self._sized_by = None
+        self.stats.host_bytes = 0
 
     def reserve(self, slot: int, nbytes: int) -> None:
         """Make a host buffer of ``nbytes`` ready for ``slot`` (outside a step).
@@ -286,9 +390,17 @@ class Backend:
         with self._lock:
             for tk in self._tickets.values():
                 tk.buffer.ready = tk.event  # (its copy out may still be writing it)
-                self.slots.release(tk.slot, tk.buffer)
+                if self._slots is not None:
+                    self._slots.release(tk.slot, tk.buffer)
             self._tickets.clear()
             self._arriving.clear()
+
+
+def sized_by(host_bytes: Any, ssd_dir: Any) -> str | None:
+    """What an ``offload`` block's arguments set that the back-end's default tiers do
+    not (:meth:`Backend.attach`'s ``sized``): ``"host_bytes"``, ``"ssd_dir"``, or None."""
+    asked = [name for name, v in (("host_bytes", host_bytes), ("ssd_dir", ssd_dir)) if v is not None]
+    return " and ".join(asked) or None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -296,13 +408,18 @@ _BACKENDS_LOCK = threading.Lock()
 
 
 def backend_for(device: torch.device | str) -> Backend:
-    """The process's back-end for ``device`` (one per device, made on first use).
+    """The process's back-end for ``device``: one object per device, made on first use,
+    which every front-end on that device attaches to (an ``offload`` block's ``Run``, a
+    ``CompiledOffload``); its ``Tiers`` live while one is attached.
 
     Compiled graphs name no back-end: their code is cached across runs and processes
     (torch's FX graph cache), so the ops find it by the tensor's device.
     """
-    key = str(torch.device(device))
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # ("cuda" and "cuda:0" are one device)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = str(dev)
     with _BACKENDS_LOCK:
         if key not in _BACKENDS:
-            _BACKENDS[key] = Backend(torch.device(device))
+            _BACKENDS[key] = Backend(dev)
         return _BACKENDS[key]

@@ -67,6 +67,7 @@ from ..budget import Budget
 from ..hardware import Hardware
 from ..plan import Plan
 from ..trace import Trace
+from .backend import backend_for, sized_by
 from .collectives import InFlight
 from .errors import OffloadError, SSDError
 from .follow import PlanFollowing
@@ -286,9 +287,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def __enter__(self) -> Run:
         model_bytes = sum(_storage_bytes(t) for t in self._state_tensors())
         # the tiers and the copies: one component owns them (runtime/tier_set.py)
-        self._tiers = Tiers.open(self.device, budget=self.budget, model_bytes=model_bytes,
-                                 host_bytes=self._host_bytes, ssd_dir=self._ssd_dir, ssd_bytes=self._ssd_bytes,
-                                 io_workers=self._io_workers)
+        # (the device's one back-end: the block's tiers, shared with a compiled run; runtime/backend.py)
+        self.backend = backend_for(self.device)
+        self._tiers = self.backend.attach(self, lambda: Tiers.open(
+            self.device, budget=self.budget, model_bytes=model_bytes, host_bytes=self._host_bytes,
+            ssd_dir=self._ssd_dir, ssd_bytes=self._ssd_bytes, io_workers=self._io_workers), sized=sized_by(
+            self._host_bytes, self._ssd_dir))
         self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes, ssd_bounce_bytes)
         self.stats.blocking_waits = self._tiers.copier.waits  # (the same dict: counted as they happen)
         # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
@@ -419,7 +423,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._sync.close()
                 self._sync = None
             self._tiers_sized()
-            self.stats.host_pool_peak = self._tiers.close()
+            self.stats.host_pool_peak = self.backend.detach(self)  # (the tiers close with the last user)
             self._storages.clear()
             self._collectives.clear()
         if errors and exc is None:

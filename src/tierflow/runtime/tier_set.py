@@ -1,18 +1,19 @@
-"""The eager runtime's back-end: the tiers a storage moves to and the copies that move it.
+"""The tiers a storage moves to and the copies that move it.
 
-One object, :class:`Tiers`, owns them for the length of an ``offload`` block: the host
-pool (:class:`~tierflow.runtime.tiers.HostPool`), the SSD store where there is one
-(:class:`~tierflow.runtime.tiers.SSDStore`), the copier
+One object, :class:`Tiers`, owns them while a front-end is attached to the device's
+back-end: the host pool (:class:`~tierflow.runtime.tiers.HostPool`), the SSD store
+where there is one (:class:`~tierflow.runtime.tiers.SSDStore`), the copier
 (:class:`~tierflow.runtime.streams.Copier`: side streams on CUDA, at once on CPU) and the
 slots waiting for the copy that reads them before they are released. It is the only
 writer of that state; the front-end (the dispatch mode's moves, :mod:`.moves`) asks it
 for slots and copies and never reassigns its parts.
 
-The compiled front-end's :class:`~tierflow.runtime.backend.Backend` (slots reused across
-steps, tickets, a lock for autograd's worker thread) moves its bytes through a ``Tiers``
-too: its buffers are arena slots of the host pool (:meth:`Tiers.host_slot`,
-:meth:`Tiers.host_view`, :meth:`Tiers.free_host_slot`) and its copies go through
-:attr:`Tiers.copier`. See docs/runtime.md, "Front-ends and back-ends".
+The device's :class:`~tierflow.runtime.backend.Backend` holds the one ``Tiers`` both
+front-ends use while either is attached (an ``offload`` block opens it with
+:meth:`Tiers.open` when it is the first): the compiled front-end's buffers are arena
+slots of the same host pool (:meth:`Tiers.host_slot`, :meth:`Tiers.host_view`,
+:meth:`Tiers.free_host_slot`) and its copies go through the same :attr:`Tiers.copier`.
+See docs/runtime.md, "Back-end".
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class TierSizes:
 
 
 class Tiers:
-    """The host pool, the SSD store and the copier of one ``offload`` block.
+    """The host pool, the SSD store and the copier of one device, while a front-end uses it.
 
     Args:
         device: the compute device (``cpu`` or a CUDA device).
