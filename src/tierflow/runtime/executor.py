@@ -84,7 +84,7 @@ from .outside import CheckpointGuard, OutsideWork
 from .profile_record import ProfileRecord
 from .profile_schedule import ProfileSchedule
 from .profiling import Profiling
-from .recompute import Recomputing, rng_states
+from .recompute import Recomputer, rng_states
 from .retime import Retimer
 from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
 from .stats import RunStats
@@ -208,7 +208,7 @@ class _Mode(TorchDispatchMode):
     __torch_dispatch__ = _dispatch
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling):
+class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -355,7 +355,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         for n, p in self.model.named_parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
-        self._dropped_in: dict[int, int] = {}  # recompute: dropped storage -> its chain
+        # the plan's recompute chains (runtime/recompute.py): one per plan, none yet
+        self._recomputer = Recomputer(self._storages, self._ledger, self._tiers.copier, self.stats, self.device,
+                                      make_room=self._make_room, ensure_resident=self._ensure_resident)
 
         # the optimizer's step in chunks (runtime/optim_chunks.py): installed for
         # foreach/fused groups, stepped in chunks that fit the budget, and by host steps
@@ -462,7 +464,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         cache, st = self._plans, self.stats
         self._pager_iteration = self._dominated = False
         if self.plan is None or cache.current is None:  # (no plan yet: the first profile)
-            cache.current = sig
+            cache.switch(sig)
             return
         if sig == cache.current:
             return
@@ -470,16 +472,13 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # NOTE: ranks plan together (runtime/distributed.py): one rank following a
             # cached plan while another profiles would leave the other waiting in the
             # planning collectives. Under several ranks a new signature is profiled again.
-            cache.plans.clear()
-            cache.current = sig
+            cache.restart(sig)
             self._schedule.profile("new signature")
             return
         if self._schedule.need_profile:  # the current signature's plan departed: not to be followed again
-            cache.plans.pop(cache.current, None)
+            cache.discard_current()
         elif cache.current in cache.plans:  # (its retimed trace and figures, as they are now)
-            kept = cache.plans[cache.current]
-            now = snapshot(self)
-            kept.state, kept.stats = now.state, now.stats
+            cache.refresh_current(snapshot(self))
         decision = cache.decide(sig)
         if isinstance(decision, tuple):  # ("dominated", the larger signature whose plan it follows)
             decision, sig = decision
@@ -494,11 +493,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._adopt_host_steps(self.trace, self.plan)
             if not self._dominated:
                 cache.followed(sig)
-            cache.current = sig
+            cache.switch(sig)
             self._schedule.follow_cached()  # (its start state: what it wants on the device, and away)
             st.signature_hits += not self._dominated
         elif decision == "profile":
-            cache.current = sig
+            cache.switch(sig)
             self._schedule.profile("new signature")
         else:  # a first sighting while the cache churns: the pager keeps the budget
             self._pager_iteration = True
@@ -672,7 +671,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         # (from here: the peak of the ops between iterations, _fold_outside_peak; not what
         # the iteration left, above a share budget after the unconstrained profile)
         self._ledger.clear_peak()
-        self._reset_chains()  # (what a chain holds is released with the iteration)
+        self._recomputer.reset()  # (what a chain holds is released with the iteration)
 
     def _handle(self, func, args, kwargs, types=()):
         if not self._in_iter:  # (an op between iterations: the plan's start state is restored at _begin)
@@ -925,8 +924,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if binds is not None and not self._bind(i, binds, ins):
             return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
         # (levers: this op re-makes, records for, or drops a chain)
-        if levers and self._remakes[i]:  # recompute chains due before this op
-            self._remake_before(i)
+        if levers:  # (this op re-makes, records for, or drops a chain: runtime/recompute.py)
+            rc = self._recomputer
+            if rc.remakes[i]:  # recompute chains due before this op
+                rc.remake_before(i)
             fix = True  # (a chain's replay may have moved an input)
             # (and has re-made the dropped ones: no room to make for them again)
             away = sum(e.nbytes for e in ins if e.state is not RESIDENT)
@@ -940,7 +941,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     self._ensure_resident(e)
                 if e.pins:
                     e.touched = True
-        chains = self._chain_ops[i] if levers else ()
+        chains = rc.chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         # (the first followed iterations time each op: see retime)
         out = self._retimer.call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
@@ -989,9 +990,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if levers and not self._stale:
             t0 = time.perf_counter() if self._timing else 0.0
             if chains:
-                self._record(i, func, args, kwargs, out, states)
-            if self._drops[i]:
-                self._drop(i)
+                rc.record(i, func, args, kwargs, out, states)
+            if rc.drops[i]:
+                rc.drop(i)
             if self._timing:  # (what recompute costs forward: see retime)
                 self._retimer.add_record_s(time.perf_counter() - t0)
         if self._hinted:  # a reactive plan's pager evicts least recently used first

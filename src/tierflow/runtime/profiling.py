@@ -469,7 +469,8 @@ class Profiling:
         else:  # no budget and nothing planned: no tensor will ever be moved or ranked, so
             # none is identified (a departure is still caught by op and result sizes)
             self._bind_in = self._bind_out = [None] * len(sigs)
-        self._recompute_tables(trace, plan)
+        self._recomputer = self._recomputer.for_plan(trace, plan)  # its chains (runtime/recompute.py)
+        levers_at = self._recomputer.levers_at
         # ops whose results are views, with nothing of theirs bound: the lean path skips
         # their results (same storages as their arguments, no bytes)
         self._views_only = [f is not None and _returns_views(f) and b is None and not self._write_spots[i]
@@ -490,10 +491,10 @@ class Profiling:
         # ops the lean path only runs: metadata over a storage, nothing planned there
         # (after the host steps: the moves after an op the host runs move to the op before)
         self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None
-                         and not self._levers_at[i] and not self._has_moves[i] and not born[i]
+                         and not levers_at[i] and not self._has_moves[i] and not born[i]
                          for i, f in enumerate(self._fast_funcs)]
         # the lean path's per-op row (executor._follow_op), in its order
         self._optab = list(zip(self._fast_funcs, self._trivial, self._next_op, self._flat_args, self._bind_in,
-                               self._levers_at, born, self._views_only, self._out_sizes, self._write_spots,
+                               levers_at, born, self._views_only, self._out_sizes, self._write_spots,
                                self._bind_out, self._has_moves))
         return True
