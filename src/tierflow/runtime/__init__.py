@@ -3,7 +3,8 @@
 ``tierflow.offload(model, optimizer, budget=..., policy=..., ssd_dir=...)`` returns a
 context manager; the user's loop runs inside it unchanged.
 
-Layout (one job per module; :class:`~.executor.Run` is assembled from the mixins):
+Layout (one job per module; :class:`~.executor.Run` is assembled from five mixins and
+holds components that own their state: docs/runtime.md, "Front-ends and back-ends"):
 
 - :mod:`.executor`: ``Run`` and ``offload``: the dispatch mode, the iteration's
   lifecycle (begin, end, profile or follow), and the per-op handler.
@@ -25,8 +26,10 @@ Layout (one job per module; :class:`~.executor.Run` is assembled from the mixins
   profiled iteration only) and ``rng``/``pure`` flags, as capture records them.
 - :mod:`.optim_chunks`: the user's optimizer step run in parameter chunks that fit the
   budget (foreach and fused optimizers), leaving out what host steps update.
-- :mod:`.recompute`, :mod:`.host_step`: executing the plan's recompute chains and
-  host-side optimizer steps.
+- :mod:`.recompute`: the plan's recompute chains executed (``Recomputer``, one per
+  plan: drops, records, replays).
+- :mod:`.host_step`: the plan's host-side optimizer steps (still a mixin: it works
+  through the storage records and the mover as ``Run`` methods).
 - :mod:`.tiers` (host pool, SSD file), :mod:`.streams` (the copy layer),
   :mod:`.stats` (``RunStats``), :mod:`.distributed` (ranks planning together),
   :mod:`.plans` (the round-trip test plan), :mod:`.training` (``tierflow train`` and the

@@ -1,11 +1,17 @@
 """Profiling and planning: the profiled iteration becomes a :class:`~tierflow.trace.Trace`
 (ops with measured times, their module scopes and ``rng``/``pure`` flags as
 :mod:`tierflow.capture` records them (:mod:`.opfacts`), storages with their kinds and
-runtime keys), the hardware the planner assumes is built (CUDA: a preset with the real
-device's capacity; CPU: RAM as device and host with the measured copy bandwidth), the
-policy plans, the plan is validated and simulated, and the follower's tables are built.
-A budget below the minimum working set is refused here, before the first optimizer
-step changes anything.
+runtime keys), the policy plans for the hardware :mod:`.machine_model` builds (CUDA: a
+preset with the real device's capacity; CPU: RAM as device and host with the measured
+copy bandwidth), the plan is validated and simulated, and the follower's tables are
+built. A budget below the minimum working set is refused here, before the first
+optimizer step changes anything.
+
+The state this takes and gives is owned elsewhere: the profiled iteration's ops by
+:class:`~.profile_record.ProfileRecord` (``Run._recorder``), when to profile and why
+by :class:`~.profile_schedule.ProfileSchedule` (``Run._schedule``), the machine's
+measurements by :class:`~.machine_model.MachineModel` (``Run._machine``), the chains
+by :class:`~.recompute.Recomputer` (``Run._recomputer``).
 """
 
 from __future__ import annotations
