@@ -249,11 +249,12 @@ class Recomputer:
                     for t in outs if isinstance(t, torch.Tensor)}
             chain.recipe.append(_step(func, args, kwargs, ref, states,
                                       sum(n for c, n in made.items() if c not in given)))
+            entries, tid_of = self._storages.entries, self._storages.iter_tid
             for k, t in enumerate(outs):
                 if isinstance(t, torch.Tensor):
                     chain.made[id(t)] = (step, k, weakref.ref(t))
-                    e = self._storages.entries.get(t.untyped_storage()._cdata)
-                    tid = self._storages.iter_tid.get(e.cdata) if e is not None else None
+                    e = entries.get(t.untyped_storage()._cdata)
+                    tid = tid_of.get(e.cdata) if e is not None else None
                     if tid is not None and tid in chain.tensors and tid not in chain.source:
                         chain.source[tid] = (step, k)
 
@@ -378,11 +379,12 @@ class Recomputer:
         """The replay's own storages among ``results`` (what no entry tracks), by address:
         their bytes."""
         temp: dict[int, int] = {}
+        tracked = self._storages.entries
         for rs in results:
             for x in rs or ():
                 if isinstance(x, torch.Tensor):
                     st = x.untyped_storage()
-                    if st._cdata not in self._storages.entries:
+                    if st._cdata not in tracked:
                         temp[st._cdata] = st.nbytes()
         return temp
 
