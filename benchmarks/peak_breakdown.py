@@ -1,13 +1,16 @@
 """What is live at a step's allocator peak, block by block, from the torch profiler's
-allocation events (CPU: ``profile(profile_memory=True)``).
+allocation events (CPU: ``profile(profile_memory=True)``): the one peak tool of the
+compiled benchmarks (``compiled.py --breakdown`` prints its text; run alone it trains
+the arms of :mod:`compiled` and breaks down each one's profiled step).
 
 Each allocation event carries its address, its signed size and its place in the op
 tree. Walking them in time order with a map ``address -> block`` gives, at the running
 sum's highest point, the set of blocks live there. Each block is labelled by the region
 that made it: a compiled graph's forward or backward (the ``CompiledFunction`` /
 ``CompiledFunctionBackward`` record above it, numbered in the order the step first
-runs them), ``tierflow::reload`` inside one, or eager code between graphs
-(a loss, the optimizer). Against the region the peak falls in, a block is:
+runs them), ``tierflow::reload`` inside one, the optimizer's step (``optimizer``), or
+eager code between graphs (``eager``: a loss, the batch). Against the region the peak
+falls in, a block is:
 
 * ``saved``: made by a forward and still live in a backward (what a forward saved, or
   an output the caller still holds);
@@ -17,11 +20,17 @@ runs them), ``tierflow::reload`` inside one, or eager code between graphs
 * ``other backward``: made by another backward (the output gradient a later graph's
   backward made for this one: a tangent; gradients it returned);
 * ``other forward``: made by another forward, the peak being in a forward;
-* ``eager``: made outside every compiled graph.
+* ``eager``: made outside every compiled graph (between graphs, or by the optimizer).
 
     prof = torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with prof: step()
     print(format_breakdown(peak_breakdown(prof)))
+
+As a script, for each model of :mod:`compiled` and each share, the plain compiled model
+and ``tierflow.compiled.compile(model, budget=S)`` with inductor (the same arms, warm-up
+and profiled step as ``benchmarks/compiled.py``), each with its graphs' plans:
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/peak_breakdown.py --models mlp-break,mlp-dynamic --quick --shares 0.5,0.3
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ class Block:
 
     Attributes:
         bytes: its size.
-        made_in: the region that allocated it (``fwd 0``, ``bwd 1``, ``eager``).
+        made_in: the region that allocated it (``fwd 0``, ``bwd 1``, ``optimizer``, ``eager``).
         reload: allocated by ``tierflow::reload``.
         op: the innermost op that allocated it.
         order: its allocation's index among the step's allocation events.
@@ -83,7 +92,7 @@ class Breakdown:
             return "reloaded"
         if b.made_in == self.region:
             return "working"
-        if b.made_in == "eager":
+        if b.made_in in ("eager", "optimizer"):
             return "eager"
         if b.made_in.startswith("fwd"):
             return "saved" if self.region.startswith("bwd") else "other forward"
@@ -164,7 +173,10 @@ class _Regions:
             chain.append(p)
             p = p.parent
         op = chain[0].name if chain else "?"
+        if op.startswith(_GRAPH):  # (an inductor graph's own buffer: no op record above it)
+            op = "inductor buffer"
         reload = any(e.name.startswith(_COPIES_BACK) for e in chain)
+        outside = "optimizer" if any(e.name.startswith("Optimizer.step") for e in chain) else "eager"
         for i, e in enumerate(chain):
             if e.name not in ("CompiledFunction", "CompiledFunctionBackward"):
                 continue
@@ -175,7 +187,7 @@ class _Regions:
             table = self.bwd if backward else self.fwd
             k = table.setdefault(graph, len(table))
             return (f"bwd {k}" if backward else f"fwd {k}"), reload, op
-        return "eager", reload, op
+        return outside, reload, op
 
     def renumber_backward(self) -> dict[str, str]:
         """``bwd j`` (order of appearance) -> ``bwd k`` (the forward graph it belongs to),
@@ -228,4 +240,88 @@ def format_breakdown(bd: Breakdown, min_bytes: int = 1 << 18) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Block", "Breakdown", "allocation_events", "format_breakdown", "live_at_peak", "peak_breakdown"]
+def profiled(step: Callable[[], Any]) -> Any:
+    """``step`` run under the CPU profiler with its allocations recorded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return prof
+
+
+def _graph_line(g: dict[str, Any]) -> str:
+    mib = 2**20
+    target = "none" if g["target_bytes"] is None else f"{g['target_bytes'] / mib:.2f} MiB"
+    floor = ""
+    if g.get("budget_bytes") is not None:
+        floor = (f", floor {g['floor_bytes'] / mib:.2f} MiB against {g['budget_bytes'] / mib:.2f}"
+                 + (" (ABOVE)" if g["floor_above_budget"] else ""))
+    return (f"  graph {g['index']}: calls {g['calls']}, trace {g['predicted_peak_bytes'] / mib:.2f} -> "
+            f"{g['predicted_peak_bytes_planned'] / mib:.2f} MiB, plan curve {g.get('plan_peak_bytes', 0) / mib:.2f} "
+            f"/ target {target}, offloaded {g['offloaded']} ({g['offloaded_bytes'] / mib:.2f} MiB), kept "
+            f"{g['kept']}, grads moved {g['grads_offloaded']}{floor}")
+
+
+def _arms(name: str, args: Any, device: Any) -> dict[str, Any]:
+    import torch
+
+    import compiled as cb
+
+    w = cb.workload(name, device, args.quick)
+    shares = [float(s) for s in args.shares.split(",")]
+    torch._dynamo.reset()
+    out = []
+    for make in cb.make_arms(w, shares, [], args.headroom):
+        a = make()
+        for i in range(args.warmup):
+            a.step(w, i)
+        bd = peak_breakdown(profiled(lambda a=a: a.step(w, args.warmup)))
+        out.append({"arm": a.name, "breakdown": bd,
+                    "graphs": a.handle.stats.compiled_graphs if a.name.startswith("tierflow") else []})
+    return {"model": w.name, "arms": out, "min_bytes": int(args.min_kib * 1024)}
+
+
+def _show(res: dict[str, Any]) -> None:
+    print(f"\n{res['model']}")
+    plain = res["arms"][0]["breakdown"].peak_bytes
+    for arm in res["arms"]:
+        bd = arm["breakdown"]
+        print(f"\n{arm['arm']} ({bd.peak_bytes / plain:.2f} of plain):")
+        print(format_breakdown(bd, min_bytes=res["min_bytes"]))
+        for g in arm["graphs"]:
+            print(_graph_line(g))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))  # compiled.py, beside this one
+    import compiled as cb
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mlp-break,mlp-dynamic")
+    ap.add_argument("--shares", default="0.5,0.3")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--headroom", type=float, default=0.1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--min-kib", type=float, default=256.0, help="list the live blocks of at least this many KiB")
+    args = ap.parse_args(argv)
+    if args.device != "cpu":
+        raise SystemExit("peak_breakdown walks the CPU profiler's allocation events: --device cpu only")
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64
+    args.json = None
+    return cb.run_models(args, _arms, _show)
+
+
+__all__ = ["Block", "Breakdown", "allocation_events", "format_breakdown", "live_at_peak", "main", "peak_breakdown",
+           "profiled"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

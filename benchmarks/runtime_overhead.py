@@ -40,7 +40,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+# (TIERFLOW_SRC: another source tree to time, benchmarks/split_overhead.py's; else this one's)
+sys.path.insert(0, os.environ.get("TIERFLOW_SRC") or os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import tierflow  # noqa: E402
 from tierflow.capture import zoo  # noqa: E402
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
             if m != "plain":
                 print(f"{m}: step {statistics.median(ratios):.3f}x plain (median of per-round ratios; "
                       f"range {min(ratios):.3f}-{max(ratios):.3f})")
+    out["tierflow_file"] = tierflow.__file__  # (which source tree ran)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -31,13 +31,20 @@ def _run(src: str, rounds: int, steps: int) -> dict[str, float]:
     of runtime_overhead.py."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
-        env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
+        # NOTE: runtime_overhead.py puts a source tree first on sys.path itself (its own
+        # checkout's, unless TIERFLOW_SRC names another): PYTHONPATH alone ran this
+        # checkout's tree in both arms
+        tree = Path(src).resolve()
+        env = dict(os.environ, PYTHONPATH=str(tree), TIERFLOW_SRC=str(tree))
         done = subprocess.run([sys.executable, str(HERE / "runtime_overhead.py"), "--modes",
                                "plain," + ",".join(MODES), "--rounds", str(rounds), "--steps", str(steps),
                                "--json", str(out)], env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"runtime_overhead.py failed with {src}:\n{done.stderr[-2000:]}")
         data = json.loads(out.read_text())
+    ran = Path(data["tierflow_file"]).resolve()
+    if tree not in ran.parents:
+        raise SystemExit(f"runtime_overhead.py ran tierflow from {ran}, not from {tree}")
     return {m: float(data["step_vs_plain"][m]) for m in MODES}
 
 

@@ -19,6 +19,10 @@ a local ``table = self._storages``) or through one of ``Run``'s aliases of it (`
 = table.lru``, in ``__enter__``: then ``self._lru.pop(c)`` anywhere in the package is a
 reach-in write). A component with none is the one writer of its state.
 
+Last, the writes the other way: code outside ``Run``'s classes that assigns the run's
+own attributes through a reference to it (``run._op = ...`` in a component holding the
+run, ``setattr(run, name, ...)`` in a probe that borrows attributes by name).
+
 ``--every-class`` counts ``self.`` in every class and function of the files instead,
 as the issue did when the files held nothing else: on main at 0d5bbb2 (the commit the
 issue was filed at) that prints 154 / 51 / 31, the issue's "about 154 ... 51 ... 33"
@@ -80,6 +84,16 @@ def measure(root: Path, files: list[str], every_class: bool = False
     files held nothing but Run's mixins)."""
     classes = run_classes(root)
     known = {n.name for f in root.glob("*.py") for n in ast.parse(f.read_text()).body if isinstance(n, ast.ClassDef)}
+    # functions and methods that return one of the package's classes (``backend_for(device)
+    # -> Backend``, ``Backend.attach(...) -> Tiers``): what they make is held too
+    returns: dict[str, str] = {}
+    for f in root.glob("*.py"):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None:
+                r = n.returns.id if isinstance(n.returns, ast.Name) else (
+                    n.returns.value if isinstance(n.returns, ast.Constant) else None)
+                if r in known:
+                    returns[n.name] = r
     usage: dict[str, Usage] = defaultdict(Usage)
     methods: set[str] = set()
     reach_in: list[str] = []
@@ -100,6 +114,9 @@ def measure(root: Path, files: list[str], every_class: bool = False
                         t, f = node.targets[0], node.value.func
                         name = f.id if isinstance(f, ast.Name) else (
                             f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+                        if name not in known:  # (made by a function or method that returns one)
+                            name = returns.get(f.id if isinstance(f, ast.Name) else
+                                               f.attr if isinstance(f, ast.Attribute) else "")
                         if isinstance(t, ast.Attribute) and _is_self(t.value) and name in known:
                             held[t.attr] = name
                     if not isinstance(node, ast.Attribute):
@@ -169,14 +186,17 @@ def _pairs(node: ast.Assign) -> list[tuple[ast.AST, ast.AST]]:
     return out
 
 
-def reach_in_writes(root: Path, held: dict[str, str]) -> dict[str, list[str]]:
+def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[str, str]] | None = None
+                    ) -> dict[str, list[str]]:
     """Per component ``Run`` holds (attribute -> class), the reach-in writes into its
-    state from code outside its class, as ``file:line what`` (see the module docstring)."""
+    state from code outside its class, as ``file:line what`` (see the module docstring).
+    ``aliases``, where given, is filled with ``Run``'s aliases of the components'
+    containers (its attribute -> (held attribute, container))."""
     classes = _owner_classes(root)
     comps = {h: c for h, c in held.items() if c in classes}
     trees = {f.stem: ast.parse(f.read_text()) for f in sorted(root.glob("*.py"))}
     # Run's aliases of a component's containers: self._lru = table.lru / self._storages.lru
-    alias: dict[str, tuple[str, str]] = {}  # run attribute -> (held attribute, container)
+    alias: dict[str, tuple[str, str]] = aliases if aliases is not None else {}  # run attribute -> (held, container)
 
     def comp_of(node: ast.AST, local: dict[str, str]) -> str | None:
         """The held attribute ``node`` refers to: ``self.h``, ``run.h`` or a local alias."""
@@ -262,11 +282,38 @@ def reach_in_writes(root: Path, held: dict[str, str]) -> dict[str, list[str]]:
             for h in sorted(comps)}
 
 
+def _run_ref(node: ast.AST) -> bool:
+    """``node`` is a reference to the run from outside it: ``run`` or ``self.run``/``self._run``."""
+    if isinstance(node, ast.Name):
+        return node.id == "run"
+    return isinstance(node, ast.Attribute) and node.attr in ("run", "_run") and _is_self(node.value)
+
+
+def writes_into_run(root: Path, classes: set[str]) -> list[str]:
+    """Writes into the run's own state from code outside ``Run``'s classes (a component or
+    a function holding a reference to the run): ``run.x = ...``, ``self.run.x = ...``,
+    ``del run.x``, and ``setattr(run, ...)`` (by name), as ``file:line what``."""
+    out: set[str] = set()
+    for f in sorted(root.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        scopes = [n for n in tree.body if not (isinstance(n, ast.ClassDef) and n.name in classes)]
+        for scope in scopes:
+            for node in ast.walk(scope):
+                if (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+                        and _run_ref(node.value)):
+                    out.add(f"{f.stem}:{node.lineno} run.{node.attr}")
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                      and node.args and _run_ref(node.args[0])):
+                    out.add(f"{f.stem}:{node.lineno} setattr(run, ...)")
+    return sorted(out, key=lambda r: (r.split(":")[0], int(r.split(":")[1].split()[0])))
+
+
 def _stats_ref(node: ast.AST, aliases: set[str]) -> bool:
-    """``node`` is the run's stats: ``self.stats``, ``run.stats`` or a local alias of them."""
+    """``node`` is the run's stats: ``self.stats``, ``run.stats``, a component's
+    ``self._stats`` (the same object, handed to it) or a local alias of them."""
     if isinstance(node, ast.Name):
         return node.id in aliases
-    return isinstance(node, ast.Attribute) and node.attr == "stats" and isinstance(node.value, ast.Name)
+    return isinstance(node, ast.Attribute) and node.attr in ("stats", "_stats") and isinstance(node.value, ast.Name)
 
 
 def stats_writers(root: Path) -> dict[str, set[str]]:
@@ -317,13 +364,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"RunStats fields written in >=2 files of the package: {len(multi)}"
           + "".join(f"\n  {k}: {', '.join(sorted(v))}" for k, v in sorted(multi.items())) * args.list)
     print(f"components Run holds: {', '.join(f'{a} ({c})' for a, c in sorted(held.items()))}")
-    writes = reach_in_writes(Path(args.root), held)
+    aliases: dict[str, tuple[str, str]] = {}
+    writes = reach_in_writes(Path(args.root), held, aliases)
+    print(f"of the state attributes, aliases of a component's container (read on every op; the component "
+          f"writes them): {len(aliases)}" + (f" ({', '.join(sorted(aliases))})" if args.list else ""))
     # (RunStats is a record each file writes its own fields of: counted above, by field)
     comp = {h: w for h, w in writes.items() if held[h] not in RECORDS}
     print(f"reach-in writes into the components (from outside their class): {sum(map(len, comp.values()))} "
           f"({', '.join(f'{held[h]} {len(w)}' for h, w in sorted(comp.items(), key=lambda kv: (-len(kv[1]), kv[0])))}; "
           f"into the records {', '.join(RECORDS)}: {sum(len(w) for h, w in writes.items() if held[h] in RECORDS)})")
+    into_run = writes_into_run(Path(args.root), run_classes(Path(args.root)))
+    print(f"writes into the run's state from outside Run's classes (run.x = ..., setattr(run, ...)): {len(into_run)}")
     if args.reach_in:
+        for w in into_run:
+            print(f"  into the run: {w}")
         for h, ws in writes.items():
             for w in ws:
                 print(f"  reach-in {held[h]}: {w}")

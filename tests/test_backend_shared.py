@@ -14,6 +14,16 @@ from tierflow.runtime.backend import Backend, backend_for
 from tierflow.runtime.errors import OffloadError
 
 
+@pytest.fixture(autouse=True)
+def _no_front_end_left_attached():
+    """Each test starts from the process's cpu back-end with no front-end attached: a
+    block an earlier test left open would hold its host pool (said here, not as a
+    confusing failure below)."""
+    assert backend_for("cpu").users == 0, "an earlier test left a front-end attached to the cpu back-end"
+    yield
+    assert backend_for("cpu").users == 0
+
+
 def _mlp(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 1))

@@ -92,7 +92,7 @@ def test_plan_reaches_target_on_the_graphs_trace():
     run = train(planned("50%"))[2]
     (g,) = run.stats.compiled_graphs
     assert g["offloaded"] > 0 and g["kept"] + g["offloaded"] == g["saved"] and not g["unreachable"]
-    assert g["predicted_peak_bytes_planned"] <= g["target_bytes"] == int(0.5 * 0.9 * g["predicted_peak_bytes"])
+    assert g["plan_peak_bytes"] <= g["target_bytes"] == int(0.5 * 0.9 * g["predicted_peak_bytes"])
 
 
 def test_planner_curve_matches_an_independent_recount():

@@ -48,3 +48,20 @@ def test_compiled_backward_peak_names_saved_and_working_blocks() -> None:
     saved = sum(b.bytes for b in bd.blocks if bd.category(b) == "saved")
     assert saved >= 512 * 256 * 4, text  # at least the relu output (or its mask's source)
     assert "saved" in text and "MiB" in text
+
+
+def test_the_optimizers_allocations_are_labelled_optimizer_and_count_as_eager() -> None:
+    lin = torch.nn.Linear(512, 512, bias=False)  # 1 MiB of weight
+    opt = torch.optim.Adam(lin.parameters(), foreach=False)
+
+    def step() -> None:
+        lin(torch.randn(4, 512)).sum().backward()
+        opt.step()  # the first step makes two 1 MiB moments: the peak
+
+    bd = pb.peak_breakdown(_profiled(step))
+    text = pb.format_breakdown(bd)
+    assert bd.region == "optimizer", text
+    made = [b for b in bd.blocks if b.made_in == "optimizer" and b.bytes == 1 << 20]
+    assert len(made) >= 2 and {bd.category(b) for b in made} == {"working"}, text  # (moments, temporaries)
+    eager = pb.Block(4, "optimizer", False, "x", 0)
+    assert pb.Breakdown(8, "bwd 0", "y", [eager]).category(eager) == "eager"

@@ -96,7 +96,7 @@ def test_state_that_does_not_fit_goes_to_the_host_whole_and_training_goes_on(tmp
 
 def test_an_out_of_memory_while_coming_back_loses_nothing(tmp_path):
     def fail_once(run):
-        real = run._fetch
+        real = run._mover.fetch  # (the back-end's fetch, which the homecoming calls)
         calls = []
 
         def fetch(e):
@@ -105,7 +105,7 @@ def test_an_out_of_memory_while_coming_back_loses_nothing(tmp_path):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             return real(e)
 
-        run._fetch = fetch
+        run._mover.fetch = fetch
 
     with pytest.warns(UserWarning, match="does not fit"):
         got = _train(_everything_leaves(tmp_path), before_exit=fail_once)

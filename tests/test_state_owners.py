@@ -74,3 +74,28 @@ def test_a_component_with_only_its_own_writers_has_none(tmp_path):
     (pkg / "executor.py").write_text(textwrap.dedent(EXECUTOR.split("    def bad")[0]))
     (pkg / "other.py").write_text("")
     assert so.reach_in_writes(pkg, {"_table": "Table"}) == {"_table": []}
+
+
+def test_writes_into_the_run_from_outside_its_classes_are_found(tmp_path):
+    so = load_benchmark("state_owners")
+    (tmp_path / "executor.py").write_text(textwrap.dedent('''
+        class Run:
+            def own(self):
+                self._op = 1  # (its own code: not counted)
+    '''))
+    (tmp_path / "follower.py").write_text(textwrap.dedent('''
+        class Follower:
+            def __init__(self, run):
+                self.run = run
+
+            def step(self, k):
+                self.run._op = k
+                self.run._fire(k)  # (a call: not a write)
+
+        def probe(run, saved):
+            run._stale = False
+            for k, v in saved.items():
+                setattr(run, k, v)
+    '''))
+    assert so.writes_into_run(tmp_path, {"Run"}) == [
+        "follower:7 run._op", "follower:11 run._stale", "follower:13 setattr(run, ...)"]

@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 from . import ops  # noqa: F401 - the custom ops cached compiled graphs call
-from .frontend import BACKENDS, Budget, CallCounter, CompiledOffload, GraphReport, compile
+from .frontend import BACKENDS, Budget, BudgetWarning, CallCounter, CompiledOffload, GraphReport, compile
 from .hook import hook_support
 
-__all__ = ["BACKENDS", "Budget", "CallCounter", "CompiledOffload", "GraphReport", "compile", "hook_support"]
+__all__ = ["BACKENDS", "Budget", "BudgetWarning", "CallCounter", "CompiledOffload", "GraphReport", "compile", "hook_support"]

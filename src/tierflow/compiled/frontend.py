@@ -37,10 +37,11 @@ import torch
 from ..budget import Budget
 from ..runtime.backend import backend_for
 from ..runtime.stats import RunStats
+from ..units import fmt_bytes
 from .graph_trace import GraphFacts
 from .hook import PartitionRecord, PlanPartitioner, hook_support
 from .memo import PlanMemo, graph_key
-from .plan import GraphPlan, floor_curve, plan_graph
+from .plan import GraphPlan, curve_with, floor_curve, plan_graph
 from .predict import predict_graph
 
 BACKENDS = ("inductor", "aot_eager")
@@ -50,6 +51,12 @@ SLOTS_PER_GRAPH = 1 << 20
 # log-softmax, that one's gradient and the loss's gradient: three times the logits.
 LOSS_WORKING_SET = 3
 _warned_fallback = False
+
+
+class BudgetWarning(RuntimeWarning):
+    """A compiled graph's floor (what no plan of it lowers) is above the budget: its
+    steps run above it. Said once per graph, when it is compiled (inside the first call,
+    before that graph runs), with the floor and the budget in bytes."""
 
 
 @dataclass
@@ -67,8 +74,14 @@ class GraphReport:
             stays saved; what torch took along with one, a layer norm's statistics with
             its output, is counted).
         offloaded_bytes: bytes of the offloaded ones.
-        predicted_peak_bytes, predicted_peak_bytes_planned: the graph's trace's peak
-            without and with the plan; target_bytes: what the plan aimed at.
+        predicted_peak_bytes, predicted_peak_bytes_planned: the graph's peak on its
+            trace without and with the plan, one basis (the graph's own ops): torch's
+            unplanned partition, and the real partition with what it moves
+            (:func:`partition_peak`: recomputes done, offloads and moved gradients off
+            inside their gaps, early copies back counted from their start).
+        plan_peak_bytes: the plan's own curve's peak (on the unplanned partition's
+            trace with the loss's estimate and the other graphs' terms the target is
+            set against); target_bytes: what the plan aimed at, on that curve.
         unreachable: the target could not be met by offloading or recomputing saved tensors.
         calls: compiled forward calls of this graph.
         made_saved_bytes: bytes of the saved tensors the forward makes (what a later
@@ -89,6 +102,21 @@ class GraphReport:
         carried_bytes: saved bytes earlier graphs of the step keep while this one runs,
             as its plan counted them; other_grads_bytes: other graphs' parameter
             gradients held under its backward, as its plan counted them.
+        model_peak_bytes: the model's peak as this graph sees it on its trace (its own
+            peak, other graphs' gradients under its backward and what earlier graphs
+            would save unplanned beside it).
+        budget_bytes: the budget its floor is judged against, without the headroom: a
+            share of the largest ``model_peak_bytes`` of the graphs compiled with it
+            (a graph that ends at a break waits for the rest of the model), or the
+            bytes given; ``None`` without a budget (or not judged yet).
+        floor_bytes, floor_op: what no plan of this graph lowers (its curve with every
+            movable storage and gradient moved, plus ``carried_bytes``) and the op
+            where that is reached (``"op 57 (aten.mm.default, backward)"``).
+        floor_above_budget: ``floor_bytes > budget_bytes``: no plan meets the budget;
+            said once, as a :class:`BudgetWarning`, before the graph's backward first
+            runs (when it is compiled, or when the rest of the model is).
+        tangents_moved, tangents_moved_bytes: gradients the backward graph receives
+            that it copies out between their early and late readers.
     """
 
     index: int
@@ -100,6 +128,7 @@ class GraphReport:
     offloaded_bytes: int = 0
     predicted_peak_bytes: int = 0
     predicted_peak_bytes_planned: int = 0
+    plan_peak_bytes: int = 0
     target_bytes: int | None = None
     unreachable: bool = False
     calls: int = 0
@@ -113,6 +142,13 @@ class GraphReport:
     ends_at_break: bool = False
     carried_bytes: int = 0
     other_grads_bytes: int = 0
+    budget_bytes: int | None = None
+    floor_bytes: int = 0
+    floor_op: str = ""
+    floor_above_budget: bool = False
+    model_peak_bytes: int = 0
+    tangents_moved: int = 0
+    tangents_moved_bytes: int = 0
 
     @property
     def recompile(self) -> bool:
@@ -262,6 +298,30 @@ def with_other_grads(facts: GraphFacts, nbytes: int) -> GraphFacts:
     return dataclasses.replace(facts, curve=curve)
 
 
+def partition_peak(rec: PartitionRecord) -> int:
+    """The peak of the real partition's curve with what the graph really moves: the
+    same basis as the unplanned trace peak (``GraphFacts.peak_bytes``: the graph's own
+    ops, no estimate of the loss or of other graphs).
+
+    The real partition's trace (torch's partition with the plan's recompute tags, so
+    what torch recomputed is gone and what recompute added at its frontier is there),
+    less each offloaded storage inside its gap (a storage group once, as its base) and
+    each gradient moved inside the backward graph; a copy back that starts ahead of its
+    first use (CUDA: :attr:`PartitionRecord.prefetch_start`) holds its bytes from its start.
+    """
+    real = rec.real if rec.real is not None else rec.facts
+    saved = {s.name: s for s in real.saved}
+    moved = [saved[n] for n in rec.offloaded if n in saved]
+    grads = {g.name: g for g in real.grads}
+    moved += [grads[n] for n in rec.grads_offloaded if n in grads]
+    curve = curve_with(real, moved)
+    for n, start in rec.prefetch_start.items():
+        s = saved.get(n)
+        if s is not None:
+            curve[start : s.first_bwd_use] += s.bytes
+    return int(curve.max()) if len(curve) else 0
+
+
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backend: str,
                    partitioner: PlanPartitioner | None) -> Callable[..., Any]:
     if backend == "inductor":
@@ -309,6 +369,9 @@ class CompiledOffload:
         self.records: list[PartitionRecord] = []
         self.compiles = 0
         self._memo = PlanMemo()
+        self._floor_said: set[int] = set()  # graphs whose floor above the budget was said
+        self._floor_pending: list[GraphReport] = []  # floors waiting for the rest of the model
+        self._loss_op = -1  # the op the loss's estimate was added at, in the graph being planned
         self._all_reserved: list[tuple[int, int]] = []  # (slot, bytes) of every graph's host buffers
         self._step_times: list[float] = []
         self._trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -352,6 +415,9 @@ class CompiledOffload:
         for k, v in memo["report"].items():
             if k not in ("index", "calls", "frame", "frame_compile", "param_grad_bytes"):
                 setattr(report, k, v)
+        if report.budget_bytes is not None or report.floor_bytes:
+            report.budget_bytes, report.floor_above_budget = None, False
+            self._judge_when_ready(report)
         self._reserve_for(memo.get("reserve", []))
 
     def _reserve_for(self, reserve: list[list[int]]) -> None:
@@ -405,15 +471,89 @@ class CompiledOffload:
         return None
 
     def _decide(self, facts: GraphFacts, report: GraphReport) -> GraphPlan:
-        facts = with_loss_between(facts)
+        raw, facts = facts, with_loss_between(facts)
+        # (where the loss's estimate lands: the floor names it)
+        self._loss_op = facts.n_fwd - 1 if facts is not raw else -1
         other = self._other_grads(report)
         report.other_grads_bytes, report.carried_bytes = other, self._carried(report)[0]
         # the share is of the graph's own peak (with the other graphs' gradients under
         # it, as the model's peak has them), not of the estimate of the rest of the model
-        target = self._target(with_other_grads(facts, other), report)
+        own = with_other_grads(facts, other)
+        target = self._target(own, report)
         rest = with_rest_of_model(facts) if report.ends_at_break else facts
         planned = with_other_grads(rest, other)
+        self._check_floor(own, report)
         return plan_graph(planned, target, allow_recompute=self.recompute)
+
+    def _check_floor(self, own: GraphFacts, report: GraphReport) -> None:
+        """Find what no plan of the graph lowers, and judge it against the budget as soon
+        as the model's peak is known (:meth:`_judge_when_ready`).
+
+        The floor is the graph's curve with every storage and gradient a plan may move
+        moved (:func:`~tierflow.compiled.plan.floor_curve`: the working set of its worst
+        op, the loss's estimate, other graphs' gradients under its backward), plus what
+        earlier graphs keep saved beside it: a lower bound on what any plan leaves. The
+        rest of the model a graph that ends at a break plans for
+        (:func:`with_rest_of_model`) is left out: it is the later graphs' own working
+        set, found when they are compiled."""
+        if self.budget.share is None and self.budget.bytes is None:
+            return
+        curve = floor_curve(own)
+        at = int(curve.argmax()) if len(curve) else 0
+        report.floor_bytes = (int(curve[at]) if len(curve) else 0) + report.carried_bytes
+        if len(curve):
+            op = own.trace.ops[at]
+            loss = " with the loss's estimated working set" if at == self._loss_op else ""
+            report.floor_op = f"op {at} ({op.name}, {op.phase}{loss})"
+        # the model's peak as this graph sees it: its own, with what earlier graphs would
+        # save unplanned under it (the basis of a share, as in _target)
+        report.model_peak_bytes = own.peak_bytes + self._carried(report)[1]
+        self._judge_when_ready(report)
+
+    def _judge_when_ready(self, report: GraphReport) -> None:
+        """Judge ``report``'s floor now, or, for a graph that ends at a break, when the
+        rest of the model is compiled (inside the same first call, before this graph's
+        backward runs: its floor is reached there). A share is of the model's peak, and
+        the graphs after a break hold part of it: judged alone, the first half of a
+        gated MLP cut in two measured a false "above the budget" at 50%."""
+        self._floor_pending.append(report)
+        if not report.ends_at_break:
+            self._judge_pending()
+
+    def _judge_pending(self) -> None:
+        """Judge the graphs waiting (:meth:`_judge_when_ready`) against one budget: a share
+        of the largest model peak they see, or the bytes; say each one above it once."""
+        group, self._floor_pending = self._floor_pending, []
+        if not group:
+            return
+        if self.budget.share is not None:
+            budget = int(self.budget.share * max(g.model_peak_bytes for g in group))
+        else:
+            budget = int(self.budget.bytes or 0)
+        for g in group:
+            g.budget_bytes = budget
+            g.floor_above_budget = g.floor_bytes > budget
+            self._say_floor(g)
+
+    def _say_floor(self, report: GraphReport) -> None:
+        """Warn, once per graph, that its floor is above the budget (a
+        :class:`BudgetWarning`: the eager runtime raises ``BudgetError`` before the first
+        optimizer step; a compiled graph is planned inside the first call, where stopping
+        would leave the step half done, so training goes on above the budget)."""
+        if not report.floor_above_budget or report.index in self._floor_said:
+            return
+        self._floor_said.add(report.index)
+        parts = [f"the working set at {report.floor_op}"]
+        if report.other_grads_bytes:
+            parts.append(f"{fmt_bytes(report.other_grads_bytes)} of other graphs' gradients under its backward")
+        if report.carried_bytes:
+            parts.append(f"{fmt_bytes(report.carried_bytes)} earlier graphs keep saved")
+        warnings.warn(
+            f"tierflow compiled: graph {report.index}'s floor {fmt_bytes(report.floor_bytes)} "
+            f"({report.floor_bytes} bytes), what no plan of it lowers ({'; '.join(parts)}), is above the budget "
+            f"{fmt_bytes(report.budget_bytes or 0)} ({report.budget_bytes} bytes): its steps will run above the "
+            "budget (run.stats.compiled_graphs[...]['floor_above_budget'])",
+            BudgetWarning, stacklevel=2)
 
     def _partitioned(self, rec: PartitionRecord, report: GraphReport) -> None:
         self.records.append(rec)
@@ -429,8 +569,8 @@ class CompiledOffload:
         report.recomputed = len(rec.recomputed)
         report.kept = rec.saved_count_after - report.offloaded
         report.predicted_peak_bytes = facts.peak_bytes
-        # (a copy back that starts early holds its bytes from the start: that curve's peak counts)
-        report.predicted_peak_bytes_planned = max(plan.predicted_peak_bytes, rec.prefetch_peak_bytes)
+        report.plan_peak_bytes = plan.predicted_peak_bytes
+        report.predicted_peak_bytes_planned = partition_peak(rec)
         report.target_bytes = plan.target_bytes
         report.unreachable = plan.unreachable
         try:
@@ -442,9 +582,12 @@ class CompiledOffload:
             report.predicted_step_s = None
             warnings.warn(f"tierflow compiled: graph {report.index} not simulated ({e})", RuntimeWarning, stacklevel=2)
         self._reserve_for([[rec.slots[n], nbytes] for n, nbytes in moved.items()]
-                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()])
+                          + [[slot, nbytes] for slot, nbytes in rec.grads_offloaded.values()]
+                          + [[slot, nbytes] for slot, nbytes in rec.tangents_moved.values()])
         report.grads_offloaded = len(rec.grads_offloaded)
         report.grads_offloaded_bytes = sum(b for _, b in rec.grads_offloaded.values())
+        report.tangents_moved = len(rec.tangents_moved)
+        report.tangents_moved_bytes = sum(b for _, b in rec.tangents_moved.values())
 
     def __enter__(self) -> CompiledOffload:
         """Attach to the device's back-end (opening its host pool where no other
@@ -456,6 +599,7 @@ class CompiledOffload:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._judge_pending()  # (a graph before a break whose rest ran uncompiled)
         # A forward whose backward never ran leaves tickets on the host tier.
         self.backend.drop_outstanding()
         # the last front-end out gives the host pool (pinned on CUDA) back
@@ -603,5 +747,5 @@ def compile(  # noqa: A001 - mirrors torch.compile on purpose
     return CompiledOffload(model, parsed, backend, torch.device(device), compile_kwargs, headroom, recompute)
 
 
-__all__ = ["BACKENDS", "Budget", "CallCounter", "CompiledOffload", "EagerFallback", "GraphReport", "compile",
+__all__ = ["BACKENDS", "Budget", "BudgetWarning", "CallCounter", "CompiledOffload", "EagerFallback", "GraphReport", "compile",
            "compile_id", "with_rest_of_model"]

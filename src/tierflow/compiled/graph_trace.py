@@ -70,6 +70,42 @@ class SavedTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldTangent:
+    """A gradient the backward graph receives (a *tangent*: the gradient of one of the
+    forward's outputs, made by the loss) read both early and late in the graph, and the
+    gap in which a plan may take its bytes off the device.
+
+    Its readers (ops reading it or a view of it) are split at their largest gap
+    (:func:`tangent_split`): the early readers read it in place, the late ones a copy
+    brought back right before the first of them. HF GPT-2's logits' gradient under
+    inductor: the head's input gradient is the backward's first kernel, the tied
+    embedding's weight gradient (fused into an ``addmm``) its last.
+
+    Attributes:
+        name: the backward graph's placeholder.
+        bytes: its bytes (a symbolic size by its hint).
+        tensor: its tensor id in the graph's trace.
+        last_early_use: trace op index of the last early reader.
+        first_late_use: trace op index of the first late reader.
+        last_use: trace op index of its last reader (the copy brought back dies after it).
+        offloadable: dense, of non-zero bytes.
+    """
+
+    name: str
+    bytes: int
+    tensor: int
+    last_early_use: int
+    first_late_use: int
+    last_use: int
+    offloadable: bool
+
+    def off_device(self, n_ops: int) -> list[tuple[int, int]]:
+        """The op ranges ``[lo, hi)`` where its bytes are off the device when it moves:
+        the gap, and (on a trace that holds it to the graph's end) after its last reader."""
+        return [(self.last_early_use + 1, self.first_late_use), (self.last_use + 1, n_ops)]
+
+
+@dataclass(frozen=True, slots=True)
 class GraphFacts:
     """A compiled graph as the planner sees it.
 
@@ -83,6 +119,8 @@ class GraphFacts:
             them: ``last_fwd_use`` is their last use in the backward graph,
             ``first_bwd_use`` the graph's last op (they come back to the device before
             the graph returns them); ``offloadable`` when dense and returned once.
+        tangents: the gradients the backward graph receives, held to its end on the
+            curve, with the gap where a plan may move them (:class:`HeldTangent`).
     """
 
     trace: Trace
@@ -90,6 +128,7 @@ class GraphFacts:
     n_fwd: int
     curve: np.ndarray
     grads: tuple[SavedTensor, ...] = ()
+    tangents: tuple[HeldTangent, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -214,6 +253,53 @@ def storage_groups(outs: list[object], n_out: int) -> dict[fx.Node, list[int]]:
     return groups
 
 
+@dataclass(frozen=True, slots=True)
+class TangentSplit:
+    """A received gradient's readers in a backward graph, split at their largest gap.
+
+    Attributes:
+        aliases: the placeholder and the views made from it (each reading the one before).
+        early: readers that run before the gap (they read it in place).
+        late: readers after the gap (they read a copy brought back before the first).
+    """
+
+    aliases: tuple[fx.Node, ...]
+    early: tuple[fx.Node, ...]
+    late: tuple[fx.Node, ...]
+
+
+def tangent_split(placeholder: fx.Node, order: dict[fx.Node, int]) -> TangentSplit | None:
+    """Where a backward graph's input ``placeholder`` can be off the device: its readers
+    split at the largest run of computing ops between two of them; ``None`` when it
+    cannot move (unread, returned by the graph, read through a view that reads another
+    node too, or no op between any two readers).
+
+    Past its last reader nothing holds it (the compiled code drops it there, and torch's
+    runtime keeps no other reference: measured), so only a gap between readers is worth
+    a copy.
+
+    Args:
+        placeholder: the backward graph's placeholder (a tangent).
+        order: each node's position in the graph.
+    """
+    aliases = [placeholder]
+    for a in aliases:  # (grows while walked: views of views)
+        aliases.extend(u for u in a.users if u.op == "call_function" and is_view(u) and u not in aliases
+                       and alias_chain(u, placeholder) is not None)
+    inside = set(aliases)
+    readers = sorted({u for a in aliases for u in a.users if u not in inside}, key=order.__getitem__)
+    if len(readers) < 2 or any(u.op != "call_function" or is_view(u) for u in readers):
+        return None  # no gap, returned (a view of it too), or viewed by a view it cannot re-make
+    computed = np.array(sorted(k for n, k in order.items() if n.op == "call_function" and not is_view(n)))
+    at = [order[u] for u in readers]
+    gaps = [int(np.searchsorted(computed, at[k + 1]) - np.searchsorted(computed, at[k], side="right"))
+            for k in range(len(readers) - 1)]
+    k = max(range(len(gaps)), key=lambda i: (gaps[i], -i))
+    if gaps[k] < 1:
+        return None
+    return TangentSplit(tuple(aliases), tuple(readers[: k + 1]), tuple(readers[k + 1:]))
+
+
 def _module_of(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -233,6 +319,7 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
     tensors: list[TensorInfo] = []
     ops: list[Op] = []
     tid: dict[tuple[str, str], int] = {}  # (graph, node name) -> tensor id
+    op_of: dict[str, int] = {}  # backward node name -> its op's index (before a shift below)
 
     def new_tensor(nbytes: int, kind: str, name: str, **kw) -> int:
         tensors.append(TensorInfo(len(tensors), nbytes, kind, name=name, **kw))
@@ -269,6 +356,8 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
                     kind = "activation" if node.name in saved_names else "temporary"
                     tid[(g, node.name)] = new_tensor(tensor_bytes(val), kind, node.name)
                     outs.append(tid[(g, node.name)])
+            if g == "bwd":
+                op_of[node.name] = len(ops)
             ops.append(Op(str(node.target), phase, estimate_op_s(node), tuple(ins), tuple(outs),
                           scope=_module_of(node) or None))
 
@@ -286,10 +375,14 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
     for n in bwd_out:
         if ("bwd", n.name) in tid:
             held[tid[("bwd", n.name)]] = last
-    # Torch's runtime holds the backward graph's other inputs (the output gradients)
-    # until the graph returns: AOT autograd's backward keeps them among its arguments
-    # while the compiled graph runs (measured: HF GPT-2's 16 MiB logits gradient was live
-    # at graph 0's allocator peak, layers after its last reader, offloaded or not).
+    # The backward graph's other inputs (the output gradients) are held to its end.
+    # NOTE: conservative. This was modelled on HF GPT-2's 16 MiB logits gradient, live at
+    # the backward's allocator peak long after its first reader; what held it was its
+    # last reader, inductor's fused tied-embedding addmm, the backward's last kernel.
+    # Measured since: copied out between its readers (HeldTangent), it left the peak as
+    # it did when its storage was also freed in place, so nothing outside the graph
+    # holds it (GPT-2 4L at 30%: 40.9 MiB either way). Freed at the last reader would be
+    # exact; the plans of the other models were measured with this curve.
     for p in bwd.graph.find_nodes(op="placeholder"):
         if p.name not in saved_names and ("bwd", p.name) in tid:
             held[tid[("bwd", p.name)]] = last
@@ -307,9 +400,11 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
         used.update(o.inputs)
         used.update(o.outputs)
     unused = tuple(t.id for t in tensors if t.id not in used)
+    shift = 0
     if unused:
         ops.insert(0, Op("placeholders", "forward", 0.0, unused, ()))
         n_fwd += 1
+        shift = 1
     trace = Trace(ops, tensors, name="compiled graph", meta={"source": "joint graph", "n_fwd": n_fwd})
 
     first_use, last_use = trace.first_use, trace.last_use
@@ -359,7 +454,29 @@ def graph_facts(fwd: fx.GraphModule, bwd: fx.GraphModule, num_fwd_outputs: int) 
             name=n.name, bytes=trace.tensors[t].bytes, producer=str(n.target), module=_module_of(n),
             tensor=t, last_fwd_use=max(uses) if uses else last, first_bwd_use=last, offloadable=movable,
         ))
-    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads))
+    tangents = _held_tangents(bwd, saved_names, tid, {k: v + shift for k, v in op_of.items()}, len(trace.ops))
+    return GraphFacts(trace, tuple(saved), n_fwd, live_curve(trace), tuple(grads), tangents)
+
+
+def _held_tangents(bwd: fx.GraphModule, saved_names: set[str], tid: dict[tuple[str, str], int],
+                   op_of: dict[str, int], n_ops: int) -> tuple[HeldTangent, ...]:
+    """The backward graph's received gradients (its placeholders that are not saved
+    tensors) that could leave the device inside it, with their gaps."""
+    order = {n: k for k, n in enumerate(bwd.graph.nodes)}
+    out: list[HeldTangent] = []
+    for p in bwd.graph.find_nodes(op="placeholder"):
+        val = p.meta.get("val")
+        if p.name in saved_names or ("bwd", p.name) not in tid or not isinstance(val, torch.Tensor):
+            continue
+        split = tangent_split(p, order)
+        if split is None:
+            continue
+        nbytes = tensor_bytes(val)
+        out.append(HeldTangent(
+            name=p.name, bytes=nbytes, tensor=tid[("bwd", p.name)], last_early_use=op_of[split.early[-1].name],
+            first_late_use=op_of[split.late[0].name], last_use=op_of[split.late[-1].name],
+            offloadable=nbytes > 0 and hinted_order(val) is not None))
+    return tuple(out)
 
 
 def _with_groups(saved: list[SavedTensor], fwd_out: list[object], n_out: int, tid: dict[tuple[str, str], int],
@@ -415,5 +532,5 @@ def live_curve(trace: Trace) -> np.ndarray:
     return np.cumsum(diff)[:-1]
 
 
-__all__ = ["GraphFacts", "SavedTensor", "alias_chain", "graph_facts", "hint_int", "is_random", "live_curve", "storage_groups", "storage_maker",
+__all__ = ["GraphFacts", "HeldTangent", "SavedTensor", "TangentSplit", "tangent_split", "alias_chain", "graph_facts", "hint_int", "is_random", "live_curve", "storage_groups", "storage_maker",
            "tensor_bytes"]

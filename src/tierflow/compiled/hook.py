@@ -36,6 +36,7 @@ from torch import fx
 
 from .graph_trace import (
     GraphFacts,
+    TangentSplit,
     alias_chain,
     graph_facts,
     hint_int,
@@ -44,6 +45,7 @@ from .graph_trace import (
     is_view,
     storage_groups,
     storage_maker,
+    tangent_split,
 )
 from .plan import GraphPlan
 
@@ -100,6 +102,13 @@ class PartitionRecord:
             (:func:`tierflow.compiled.prefetch.prefetch_points`).
         tags_dropped: partitioning with the recompute tags failed, the graph was
             partitioned without them.
+        real: the real partition as a trace (before the offload rewrite): the basis
+            of ``GraphReport.predicted_peak_bytes_planned``.
+        prefetch_start: per copy back started ahead of its first use, the op of
+            ``real``'s trace it starts at.
+        tangents_moved: gradients the backward graph receives that it copies to the host
+            tier after their early readers and back before their late ones
+            (:func:`rewrite_tangents`): their slot and bytes.
     """
 
     facts: GraphFacts
@@ -114,6 +123,9 @@ class PartitionRecord:
     slot_bytes: dict[str, int] = field(default_factory=dict)
     prefetch_ops: dict[str, int] = field(default_factory=dict)
     prefetch_peak_bytes: int = 0
+    real: GraphFacts | None = None
+    prefetch_start: dict[str, int] = field(default_factory=dict)
+    tangents_moved: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 _PLAN_FILES = ("hook.py", "graph_trace.py", "plan.py", "ops.py", "frontend.py", "memo.py", "prefetch.py")
@@ -198,7 +210,8 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         # mean and rstd with its output): every name of the unplanned saved set gone.
         record.recomputed = sorted(s.name for s in facts.saved if s.name not in still)
         record.saved_count_after = len(real.saved)
-        if plan.offload or plan.offload_grads:
+        record.real = real
+        if plan.offload or plan.offload_grads or plan.offload_tangents:
             self._rewrite(fwd, bwd, n_out, plan, record, real)
         out = list(fwd.graph.find_nodes(op="output")[0].args[0])
         record.saved_after = sum(
@@ -304,8 +317,12 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
             record.offloaded.append(x.name)
             record.slots[x.name] = slot
             record.prefetch_ops[x.name] = sum(1 for n in bwd_ops if bwd_order[begin] <= bwd_order[n] < bwd_order[first])
+            if begin is not first:
+                record.prefetch_start[x.name] = prefetch.start[x.name]
         record.prefetch_peak_bytes = int(prefetch.curve.max()) if len(prefetch.curve) else 0
         output.args = (tuple(outs),)
+        if plan.offload_tangents:
+            rewrite_tangents(bwd, plan.offload_tangents, self.slot_base, record)
         if plan.offload_grads:
             _rewrite_grads(bwd, plan.offload_grads, self.slot_base, record)
         fwd.graph.lint()
@@ -449,6 +466,74 @@ def tag_recompute(gm: fx.GraphModule, names: frozenset[str]) -> list[str]:
 
 
 GRAD_SLOTS = 1 << 19  # a graph's gradient slots start here within its slot range
+TANGENT_SLOTS = GRAD_SLOTS + (1 << 18)  # and its received gradients' slots here
+
+
+def rewrite_tangents(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, record: PartitionRecord) -> None:
+    """Copy each named gradient the backward graph receives (a tangent) to the host tier
+    after its early readers and bring it back before its late ones
+    (:func:`graph_trace.tangent_split`).
+
+    HF GPT-2's logits' gradient under inductor is read by the head's input gradient,
+    the backward's first kernel, and by the tied embedding's fused ``addmm``, its last:
+    it was held through the whole backward by its own last reader.
+    ``tierflow::offload_received`` right after the last early reader copies it out; the
+    late readers read what ``tierflow::reload`` brings back right before the first of
+    them, through the same view ops re-made on the copy, so the same kernels read the
+    same values at the same strides (the fused ``addmm`` stays where plain compile puts
+    it, reading the copy). The copy-out op is then the tangent's last reader, and the
+    compiled code drops the tangent there (checked below: no node placed after it reads
+    the tangent or a view of it; a breach fails the compile)."""
+    from . import ops  # noqa: F401 - registers the tierflow:: ops
+
+    for k, p in enumerate(bwd.graph.find_nodes(op="placeholder")):
+        if p.name not in names:
+            continue
+        order = {n: i for i, n in enumerate(bwd.graph.nodes)}
+        split = tangent_split(p, order)
+        val = p.meta.get("val")
+        if split is None or not isinstance(val, torch.Tensor) or (dense := hinted_order(val)) is None:
+            continue
+        last_early = split.early[-1]
+        after = _sequencer(bwd, split.late[0], order)
+        if after is None or order[after] <= order[last_early]:
+            continue  # nothing computed in the gap
+        slot = slot_base + TANGENT_SLOTS + k
+        op = torch.ops.tierflow.offload_received.default
+        with bwd.graph.inserting_after(last_early):
+            tok = bwd.graph.call_function(op, (p, slot))
+        tok.meta["val"] = _fake(op, val, slot)
+        back = _insert_reload(bwd.graph, split.late[0], tok, tok.meta["val"], after, dense, val)
+        _read_copy(bwd.graph, split, p, back)
+        _drop_dead_views(split.aliases)
+        order = {n: i for i, n in enumerate(bwd.graph.nodes)}
+        late_readers = [u for a in split.aliases if a in order for u in a.users
+                        if u is not tok and order[u] > order[tok]]
+        if late_readers:  # (cannot happen: every late reader was moved to the copy)
+            raise RuntimeError(f"tierflow compiled: {p.name} is still read after its copy out by "
+                               f"{[u.name for u in late_readers]}")
+        record.tangents_moved[p.name] = (slot, _bytes(p))
+
+
+def _read_copy(graph: fx.Graph, split: TangentSplit, p: fx.Node, back: fx.Node) -> None:
+    """Make each of ``split``'s late readers read ``back`` (the copy of ``p``) through
+    the same view ops it read ``p`` through."""
+    inside = set(split.aliases)
+    made: dict[fx.Node, fx.Node] = {p: back}
+    for u in split.late:
+        for a in list(u.all_input_nodes):
+            if a not in inside:
+                continue
+            if a not in made:
+                made[a] = _replay(graph, alias_chain(a, p) or [], back, split.late[0])
+            u.replace_input_with(a, made[a])
+
+
+def _drop_dead_views(aliases: tuple[fx.Node, ...]) -> None:
+    """Erase the views in ``aliases`` nothing reads any more (latest first)."""
+    for a in reversed(aliases):
+        if a.op == "call_function" and not a.users:
+            a.graph.erase_node(a)
 
 
 def _rewrite_grads(bwd: fx.GraphModule, names: frozenset[str], slot_base: int, record: PartitionRecord) -> None:
@@ -602,7 +687,7 @@ def _sequencer(bwd: fx.GraphModule, first: fx.Node, order: dict[fx.Node, int]) -
     """The last tensor the backward graph computes before ``first`` (not a view, nor one
     of tierflow's ops): the input that keeps a reload from being scheduled earlier."""
     ours = {torch.ops.tierflow.reload.default, torch.ops.tierflow.prefetch.default,
-            torch.ops.tierflow.wait.default, torch.ops.tierflow.offload.default}
+            torch.ops.tierflow.wait.default, torch.ops.tierflow.offload.default, torch.ops.tierflow.offload_received.default}
     before = [n for n in bwd.graph.nodes if order[n] < order[first] and n.op == "call_function"
               and isinstance(n.meta.get("val"), torch.Tensor) and n.target not in ours
               and not is_view(n)]
@@ -615,4 +700,4 @@ def _bytes(n: fx.Node) -> int:
     return tensor_bytes(n.meta.get("val"))
 
 
-__all__ = ["PartitionRecord", "PlanPartitioner", "hoist_saved_views", "hook_support", "tag_recompute"]
+__all__ = ["PartitionRecord", "PlanPartitioner", "hoist_saved_views", "hook_support", "rewrite_tangents", "tag_recompute"]

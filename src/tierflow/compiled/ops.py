@@ -18,6 +18,9 @@ bytes from where they are allocated; ``wait`` is declared as writing that tensor
 every reader of it runs after the wait (and a wait, having no output, is never dropped
 as dead code).
 
+``offload_received`` is ``offload`` for a gradient the backward graph receives (a tangent), between
+its early and its late readers (see :func:`offload_received`).
+
 The ops are registered with fake kernels, so Dynamo, AOT autograd and inductor trace
 through them; inductor calls them as extern kernels.
 """
@@ -34,6 +37,15 @@ def _token(shape: torch.Size | list, ticket: int | None) -> torch.Tensor:
     if ticket is not None:
         tok.fill_(ticket)
     return tok
+
+
+def _no_element_token(shape: torch.Size | list, ticket: int | None) -> torch.Tensor:
+    """A token of ``shape`` with a last dimension of size 0: no elements, so that
+    inductor's peak-memory model (elements x dtype size, strides not read) sees an op
+    that makes it as allocating nothing; its one-element storage holds the ticket. The
+    extra dimension is past the ones :func:`reload` reads (``order`` names the others)."""
+    one = torch.full((1,), -1 if ticket is None else ticket, dtype=torch.int64, device="cpu")
+    return one.as_strided((*shape, 0), (0,) * (len(shape) + 1))
 
 
 def _ticket(token: torch.Tensor) -> int:
@@ -117,3 +129,27 @@ def wait(x: torch.Tensor, token: torch.Tensor, after: torch.Tensor) -> None:
 @wait.register_fake
 def _wait_fake(x: torch.Tensor, token: torch.Tensor, after: torch.Tensor) -> None:
     return None
+
+
+
+@torch.library.custom_op("tierflow::offload_received", mutates_args=())
+def offload_received(x: torch.Tensor, slot: int) -> torch.Tensor:
+    """Copy ``x`` to the host tier of its device's back-end; a token for :func:`reload`
+    with no elements (:func:`_no_element_token`).
+
+    For a gradient a backward graph receives (a tangent) between its early readers and
+    its late ones (:func:`tierflow.compiled.hook.rewrite_tangents`): the late readers
+    read the copy :func:`reload` brings back, so this op is the tangent's last reader
+    and the compiled code drops it here (nothing outside the graph holds it: measured,
+    HF GPT-2's logits' gradient left the allocator's peak as it does when freed in
+    place)."""
+    return _no_element_token(x.shape, backend_for(x.device).put(slot, x))
+
+
+@offload_received.register_fake
+def _offload_received_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
+    # NOTE: a token with x's elements (as offload's) counts in inductor's peak-memory
+    # model as 8-byte elements allocated here: the evict then ran just before its
+    # reload, holding the tangent through the gap; with none it runs after the early
+    # readers, as the tangent's last reader.
+    return _no_element_token(x.shape, None)

@@ -13,6 +13,11 @@ inside its gap, by one of two means:
   :func:`recompute_s`) costs less than its two copies (``2 * bytes / BYTES_PER_S``);
 * **offload** otherwise.
 
+A gradient the backward graph receives (a tangent) read early and late in the graph,
+whose gap spans the peak op, leaves the device first: copied out after its early
+readers and back before its late ones
+(:class:`~tierflow.compiled.graph_trace.HeldTangent`).
+
 A storage that can be neither (a graph input, a random op's output, returned to the
 caller) stays. The plan is a pure function of the facts and the target, so the same
 graph and target give the same plan (and the same cache key: :meth:`GraphPlan.key`).
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .graph_trace import BYTES_PER_S, GraphFacts, SavedTensor
+from .graph_trace import BYTES_PER_S, GraphFacts, HeldTangent, SavedTensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,8 @@ class GraphPlan:
             backward graph instead of saving.
         offload_grads: gradients (the backward graph's outputs) copied to the host
             tier after their last use in the graph and back just before it returns.
+        offload_tangents: gradients the backward graph receives, copied to the host
+            tier after their early readers and back before their late ones.
     """
 
     offload: frozenset[str] = frozenset()
@@ -53,11 +60,14 @@ class GraphPlan:
     slots: dict[str, int] = field(default_factory=dict, compare=False)
     recompute: frozenset[str] = frozenset()
     offload_grads: frozenset[str] = frozenset()
+    offload_tangents: frozenset[str] = frozenset()
 
     def key(self) -> str:
         """A digest that changes exactly when the plan does (for torch's caches)."""
         text = ",".join(sorted(self.offload)) + "|recompute:" + ",".join(sorted(self.recompute))
         text += "|grads:" + ",".join(sorted(self.offload_grads))
+        if self.offload_tangents:  # (absent when empty: other plans keep their keys)
+            text += "|tangents:" + ",".join(sorted(self.offload_tangents))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -133,6 +143,21 @@ def _drop(curve: np.ndarray, group: list[SavedTensor]) -> None:
             curve[head.last_fwd_use + 1 : head.first_bwd_use] -= s.bytes
 
 
+def movable_tangents(facts: GraphFacts, min_bytes: int = 1 << 16) -> list[HeldTangent]:
+    """The received gradients a plan may move: offloadable, of ``min_bytes`` or more,
+    with at least one op in their gap."""
+    out = []
+    for t in facts.tangents:
+        if t.offloadable and t.bytes >= min_bytes and t.first_late_use - t.last_early_use > 1:
+            out.append(t)
+    return out
+
+
+def _drop_tangent(curve: np.ndarray, t: HeldTangent) -> None:
+    for lo, hi in t.off_device(len(curve)):
+        curve[lo:hi] -= t.bytes
+
+
 def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool = True) -> np.ndarray:
     """The facts' curve with every saved storage a plan may move (:func:`plan_graph`'s
     candidates) and every movable gradient off the device inside its gap: the working
@@ -151,11 +176,13 @@ def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool
     curve = facts.curve.copy()
     for s in off:
         curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+    for t in movable_tangents(facts, min_bytes):
+        _drop_tangent(curve, t)
     return curve
 
 
 def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 << 16, *,
-               allow_recompute: bool = True, move_grads: bool = True) -> GraphPlan:
+               allow_recompute: bool = True, move_grads: bool = True, move_tangents: bool = True) -> GraphPlan:
     """Recompute or offload saved tensors until the trace's peak is at most ``target_bytes``
     (see the module docstring for the choice).
 
@@ -169,6 +196,8 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
         move_grads: when no saved storage spans the peak (it is late in the backward
             graph, where the gradients made so far are held), move gradients to the
             host tier inside the graph, largest first.
+        move_tangents: move the received gradients held through the peak between
+            their readers (:func:`movable_tangents`).
 
     Example:
         >>> plan = plan_graph(rec.facts, target_bytes=64 << 20)  # doctest: +SKIP
@@ -187,12 +216,23 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
     grads = [g for g in facts.grads if move_grads and g.offloadable and g.bytes >= min_bytes
              and g.first_bwd_use - g.last_fwd_use > 1]
     moved_grads: list[str] = []
+    # NOTE: received gradients first: one held through a peak between two readers
+    # costs the two copies an offload costs, and nothing can be recomputed instead.
+    tangents = movable_tangents(facts, min_bytes) if move_tangents else []
+    moved_tangents: list[str] = []
     # Ops whose excess nothing can lower (the loss's working set between forward and
     # backward, say): set aside, so that the rest of the curve is still brought to the
     # target (stopping at the first one left the backward's peak where it was).
     stuck = np.zeros(len(curve), dtype=bool)
     while len(curve) and np.where(stuck, 0, curve).max() > target_bytes:
         peak_op = int(np.where(stuck, np.iinfo(np.int64).min, curve).argmax())
+        held = [t for t in tangents if any(lo <= peak_op < hi for lo, hi in t.off_device(len(curve)))]
+        if held:
+            t = max(held, key=lambda t: (t.bytes, t.name))
+            tangents.remove(t)
+            moved_tangents.append(t.name)
+            _drop_tangent(curve, t)
+            continue
         spanning = [t for t, g in candidates.items() if g[0].last_fwd_use < peak_op < g[0].first_bwd_use]
         if not spanning:
             made = [g for g in grads if g.last_fwd_use < peak_op < g.first_bwd_use]
@@ -221,4 +261,4 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
     return GraphPlan(offload=frozenset(offload), target_bytes=int(target_bytes),
                      predicted_peak_bytes=int(curve.max()) if len(curve) else 0,
                      unreachable=unreachable, recompute=frozenset(recompute),
-                     offload_grads=frozenset(moved_grads))
+                     offload_grads=frozenset(moved_grads), offload_tangents=frozenset(moved_tangents))

@@ -3,17 +3,21 @@
 ``tierflow.offload(model, optimizer, budget=..., policy=..., ssd_dir=...)`` returns a
 context manager; the user's loop runs inside it unchanged.
 
-Layout (one job per module; :class:`~.executor.Run` is assembled from five mixins and
-holds components that own their state: docs/runtime.md, "Front-ends and back-ends"):
+Layout (one job per module; :class:`~.executor.Run` is assembled from mixins and holds
+components, each the one writer of its state: docs/runtime.md, "Front-ends and back-ends"):
 
 - :mod:`.executor`: ``Run`` and ``offload``: the dispatch mode, the iteration's
-  lifecycle (begin, end, profile or follow), and the per-op handler.
-- :mod:`.storages`: the record of each device storage (``_Entry``), labels (parameter,
-  gradient, optimizer state, activation), pack/unpack hooks, collectives in flight.
-- :mod:`.moves`: evictions and fetches between the device, the host pool and the SSD
-  file, and retiring finished copies and writes.
+  lifecycle (begin, end, profile or follow, a departure from the trace), and the per-op
+  handler.
+- :mod:`.storages`: the record of each device storage (``_Entry``) and ``StorageTable``,
+  the component that owns the records (by address, by key, the LRU order, deaths,
+  foreign storages, the iteration's trace ids); the ``StorageTracking`` mixin: the
+  saved-tensor and gradient hooks that label them, collectives in flight.
+- :mod:`.moves`: ``Mover``, the back-end that moves a storage's bytes between the
+  device, the host pool and the SSD file and retires finished copies and writes; the
+  ``Moves`` mixin: room within the budget, inputs made resident.
 - :mod:`.follow`: following a plan: the moves after each op, planned prefetches,
-  victims, the pool layout, stale iterations.
+  victims, the pool layout, the move probe.
 - :mod:`.profiling`: the profiled iteration to a trace, the plan and its prediction,
   the minimum-working-set check. Components it asks: :mod:`.profile_record`
   (``ProfileRecord``: the profiled iteration's ops, their times, what the loop held),

@@ -244,8 +244,12 @@ class Backend:
                 f"tierflow: the {self.device} back-end is already open (a compiled run or another offload "
                 f"block holds its host pool): {sized} can be given only by the first front-end on a device; "
                 f"open this block first, or leave {sized} out")
-        if self._tiers is None or not self._users and sized is not None:
-            if self._tiers is not None:  # (opened by an op with no front-end: none holds it)
+        if self._tiers is None or not self._users:
+            # NOTE: tiers open with no front-end attached were opened by a compiled graph
+            # called outside any block; the first front-end gets tiers of its own sizes
+            # (fresh, whatever ran before it in the process), and the compiled run
+            # remakes its buffers on __enter__
+            if self._tiers is not None:
                 self._close()
             self._tiers = open_tiers() if open_tiers is not None else self._open_default()
             self._slots = HostSlots(self._tiers)

@@ -252,19 +252,25 @@ def _train_compiled(args: argparse.Namespace) -> int:
 
     t = Table(title=f"tierflow train --compile {args.compile}: {args.model} on {args.device}, "
               f"budget {args.budget or 'none'}")
+    # (trace peak and planned peak: one basis, the graph's own ops on its partition's
+    # trace; the plan's curve, which the target is set on, adds estimates: its own column)
     for col in ("graph", "calls", "saved", "kept", "offloaded", "recomputed", "grads moved", "trace peak",
-                "planned peak", "target", "predicted step"):
+                "planned peak", "plan curve / target", "predicted step"):
         t.add_column(col, justify="right")
     for g in st.compiled_graphs:
         t.add_row(str(g["index"]), str(g["calls"]), f"{g['saved']} ({fmt_bytes(g['saved_bytes'])})", str(g["kept"]),
                   f"{g['offloaded']} ({fmt_bytes(g['offloaded_bytes'])})", str(g["recomputed"]),
                   f"{g.get('grads_offloaded', 0)} ({fmt_bytes(g.get('grads_offloaded_bytes', 0))})",
                   fmt_bytes(g["predicted_peak_bytes"]), fmt_bytes(g["predicted_peak_bytes_planned"]),
-                  "none" if g["target_bytes"] is None else fmt_bytes(g["target_bytes"])
-                  + (" (not reached)" if g["unreachable"] else ""),
+                  "none" if g["target_bytes"] is None else f"{fmt_bytes(g.get('plan_peak_bytes', 0))} / "
+                  f"{fmt_bytes(g['target_bytes'])}" + (" (not reached)" if g["unreachable"] else ""),
                   "" if g.get("predicted_step_s") is None else fmt_seconds(g["predicted_step_s"]))
     con = u.console()
     con.print(t)
+    for g in st.compiled_graphs:  # (said as a warning when compiled; again beside the table)
+        if g.get("floor_above_budget"):
+            con.print(f"graph {g['index']}: floor {fmt_bytes(g['floor_bytes'])} ({g['floor_op']}) is above the "
+                      f"budget {fmt_bytes(g['budget_bytes'])}: no plan of it fits")
     con.print(f"steps {st.steps}, median step {fmt_seconds(st.step_time_s)} (after the first, which compiles); "
               f"compiled calls {st.compiled_calls}, graphs compiled {st.compiled_compiles} "
               f"({sum(1 for g in st.compiled_graphs if g.get('frame_compile', -1) > 0)} recompiles), "

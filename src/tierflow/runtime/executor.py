@@ -77,7 +77,7 @@ from .host_step import HostSteps
 from .kernel_times import mark
 from .ledger import DeviceLedger
 from .machine_model import MachineModel
-from .moves import Moves
+from .moves import HomeTier, Mover, Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
 from .outside import CheckpointGuard, OutsideWork
@@ -293,11 +293,9 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             self.device, budget=self.budget, model_bytes=model_bytes, host_bytes=self._host_bytes,
             ssd_dir=self._ssd_dir, ssd_bytes=self._ssd_bytes, io_workers=self._io_workers), sized=sized_by(
             self._host_bytes, self._ssd_dir))
-        self._tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes, ssd_bounce_bytes)
         self.stats.blocking_waits = self._tiers.copier.waits  # (the same dict: counted as they happen)
         # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
         self._frees = self._tiers.frees
-        self._writes: list[_Entry] = []
         self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room (follow.py's)
         self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident (follow.py's)
         self._ledger = DeviceLedger()  # accounted device bytes, copies out in flight, the peak (runtime/ledger.py)
@@ -331,6 +329,13 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         # read on every op: an alias of the component's, never reassigned
         self._collectives = InFlight()
         self._inflight = self._collectives.records
+        # the bytes' moves between the device and the tiers, and what is in flight: the
+        # back-end's mover (runtime/moves.py); its SSD writes in flight, read on every op:
+        # an alias, never reassigned
+        self._mover = Mover(self._tiers, self._ledger, self._storages, self._collectives, self.stats,
+                            HomeTier(evict=self._host_evict, wait=self._host_wait, read=self._host_read))
+        self._writes = self._mover.writes
+        self._mover.tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes, ssd_bounce_bytes)
         from .distributed import RankSync, world
 
         self.stats.rank, self.stats.world_size = world()
@@ -411,9 +416,9 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             # the model and optimizer whole again after the block: on the device where
             # they fit, else on the host (runtime/homecoming.py)
             self.stats.state_after_block = bring_home(self, errors)
-            self._drain_writes(raise_errors=False)
+            self._mover.drain_writes(raise_errors=False)
             self._tiers.copier.drain()
-            self._reap()
+            self._mover.reap()
             if not self._in_iter and self._outside_ran:  # (validation after the last step)
                 self._fold_outside_peak()
             self.stats.checkpoint_copies = self._checkpoints.copies
@@ -424,7 +429,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             if self._sync is not None:
                 self._sync.close()
                 self._sync = None
-            self._tiers_sized()
+            self._mover.tiers_sized()
             self.stats.host_pool_peak = self.backend.detach(self)  # (the tiers close with the last user)
             self._storages.clear()
             self._collectives.clear()
@@ -581,7 +586,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             if self._schedule.take_start_state() or self._outside_ran:
                 self._enter_start_state()
         self._outside_ran = False
-        self._reap()  # (storages that died since, e.g. state moved to the host, are not counted)
+        self._mover.reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         if self._recording:
             self._recorder.hold(self._held_entries())
         self._ledger.start_peak()
@@ -681,7 +686,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         scope = self._opfacts.scope()
         unpacked = self._storages.take_unpacked()  # (see _unpack, _build_trace)
         if self._dead or self._frees or self._writes or self._inflight:
-            self._reap()
+            self._mover.reap()
         if self._pending:
             self._issue_pending()
         tensors = _leaves(args) + (_leaves(list(kwargs.values())) if kwargs else [])
@@ -798,6 +803,11 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         e = self._storages.entry(t)
         return self._iter_tid.get(e.cdata) if e is not None else None
 
+    def _followed_to(self, op: int) -> None:
+        """The iteration has been followed at ticks up to op ``op`` (runtime/hook_follow.py:
+        a segment's end, with no dispatch mode to count the ops): counting resumes there."""
+        self._op = op
+
     def _mark_stale(self, why: str) -> None:
         """The iteration departed from its plan's trace (``why``): the rest of it runs on
         the general path, and the next is profiled again."""
@@ -896,7 +906,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         if self._dead:  # storages that died: forget them (then no entry of a dead storage is
             table.retire_dead()  # left to confuse a lookup by address below)
         if self._frees or self._writes or self._inflight:
-            self._reap()
+            self._mover.reap()
         if self._pending:
             self._issue_pending()
         # NOTE: the loops below are written out, not shared helpers: they run for every
@@ -914,7 +924,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             except (RuntimeError, NotImplementedError):  # no storage
                 continue
             if e is None:
-                e = entry(t, None, False)  # first sight: made before the block (see StorageTracking._entry)
+                e = entry(t, None, False)  # first sight: made before the block (see StorageTable.entry)
             ins.append(e)
             if e.state is not RESIDENT:
                 away += e.nbytes

@@ -72,11 +72,11 @@ class PlanFollowing:
                                  if e is None or e.ref() is None else f"skipped move: a {e.kind} it cannot move")
                 continue
             if evict:
-                done = self._evict(e, tier, slot)
+                done = self._mover.evict(e, tier, slot)
             elif e.state is RESIDENT or e in self._pending:
                 done = False
             elif hints and self._ledger.used + e.nbytes <= (self.budget if budget is None else budget):
-                done = self._prefetch(e)
+                done = self._mover.prefetch(e)
             elif hints:
                 # NOTE: a UVM-style prefetch hint makes room, like a fault, but not yet:
                 # what op ``op`` read for the last time is freed only after it returns
@@ -141,15 +141,15 @@ class PlanFollowing:
                         for _ in range(rounds):
                             for op in ops:
                                 fire(op, False, math.inf)
-                            self._reap()
+                            self._mover.reap()
                         elapsed = time.perf_counter() - t0
                     moved = self.stats.planned_moves - planned_before
                 finally:
                     for e in es:
                         if e.state != RESIDENT:
-                            self._fetch(e)
+                            self._mover.fetch(e)
                         self._storages.left_device(e)  # (a fetched activation joins the LRU order: not a scratch one)
-                    self._reap(wait=True)
+                    self._mover.reap(wait=True)
                     if had_table:
                         self._actions = kept_actions
                     else:
@@ -165,7 +165,7 @@ class PlanFollowing:
         leave the device (where they are still on it)."""
         for key, tier in self._start_away.items():
             e = self._by_key.get(key)
-            if e is not None and e.state == RESIDENT and self._evict(e, tier):
+            if e is not None and e.state == RESIDENT and self._mover.evict(e, tier):
                 self.stats.planned_moves += 1
 
     def _enter_start_state(self) -> None:
@@ -181,7 +181,7 @@ class PlanFollowing:
                 continue
             if self._ledger.used + e.nbytes > self.budget:
                 break  # (what does not fit comes back when used)
-            if self._prefetch(e):
+            if self._mover.prefetch(e):
                 self.stats.planned_moves += 1
 
     def _set_move_table(self, trace: Trace, plan: Any) -> None:
@@ -241,7 +241,7 @@ class PlanFollowing:
                     return  # a planned prefetch waits for room (as simulated)
                 self._make_room(e.nbytes, [])  # a hint makes room, like a fault
             self._pending.popleft()
-            if self._prefetch(e):
+            if self._mover.prefetch(e):
                 self.stats.planned_moves += 1
 
     def _depart(self, reason: str) -> None:
@@ -367,7 +367,7 @@ class PlanFollowing:
                     f"offload: {plan.policy}'s plan needs {fmt_bytes(ssd_need)} ({ssd_need} bytes) in the SSD file, "
                     f"but it may grow to {fmt_bytes(ssd.limit)} in {ssd.dir}: free space there, pass a larger "
                     "budget, or a larger ssd_bytes")
-            self._tiers_sized()
+            self._mover.tiers_sized()
             return
         what = "to keep" if not plan.reactive else "at least"
         where = "in the host pool" if not plan.reactive else "off the device"

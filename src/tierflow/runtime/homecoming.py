@@ -67,7 +67,7 @@ def bring_home(run: Any, errors: list[str]) -> str:
         try:
             for e in away:
                 try:
-                    run._fetch(e)
+                    run._mover.fetch(e)
                 except TierflowError as err:
                     errors.append(str(err))
             return "device"
@@ -126,7 +126,7 @@ def _rehome_on_host(run: Any, errors: list[str]) -> int:
             e = run._entries.get(sid)
             if e is not None and _is_away(e):
                 try:
-                    run._fetch(e)  # (one storage's bytes on the device at a time)
+                    run._mover.fetch(e)  # (one storage's bytes on the device at a time)
                 except TierflowError as err:
                     errors.append(str(err))
                     continue
@@ -147,7 +147,7 @@ def _rehome_on_host(run: Any, errors: list[str]) -> int:
     for e in list(run._entries.values()):
         if _is_away(e):
             try:
-                run._fetch(e)
+                run._mover.fetch(e)
             except (TierflowError, torch.OutOfMemoryError) as err:
                 errors.append(str(err))
     return moved

@@ -165,7 +165,7 @@ class HookFollower:
                             "optimizer step")
             else:
                 self._advance(self.opt_start)
-                self.run._op = self.opt_start
+                self.run._followed_to(self.opt_start)
                 if self.native_optimizer and not self.run._stale:
                     for k in range(self.opt_start + 1, self.n_seg):  # (all of the step's, resident now)
                         if self.seg_tensors[k]:
@@ -178,7 +178,7 @@ class HookFollower:
         without the mode)."""
         if self.active and self.j == len(self.expected):
             self._advance(self.n_seg)
-            self.run._op = self.n_seg
+            self.run._followed_to(self.n_seg)
         self.restore()
 
     def depart(self, why: str) -> None:
@@ -234,8 +234,8 @@ class HookFollower:
     def _advance(self, seg: int) -> None:
         """Segments ``self.seg .. seg - 1`` are done: their moves fired, ``seg`` begins."""
         run = self.run
-        if run._dead or run._tiers.frees or run._writes or run._ledger.leaving:
-            run._reap()
+        if run._dead or run._tiers.frees or run._mover.writes or run._ledger.leaving:
+            run._mover.reap()
         for k in range(self.seg, min(seg, self.n_seg)):
             if run._has_moves[k]:
                 run._fire(k)
@@ -244,7 +244,7 @@ class HookFollower:
         delta = int(self.unseen[min(seg, self.n_seg)]) - int(self.unseen[self.seg])
         run._ledger.add(delta)
         self.seg = seg
-        run._op = seg
+        run._followed_to(seg)
         if seg < self.n_seg and self.seg_tensors[seg]:
             self._arrive(seg)
         if run._pending:

@@ -1,13 +1,18 @@
 """The tiers and the copies: evicting a storage to the host pool or the SSD file, bringing
 it back (planned prefetch or on-demand fetch), and retiring what finished.
 
+:class:`Mover` is the back-end that moves a storage's bytes and owns what is in flight;
+:class:`Moves` is the eager front-end's side (a mixin of
+:class:`~tierflow.runtime.executor.Run`): making room before an op within the budget,
+and an op's inputs made resident (a departure from the plan counted where it was not).
+
 An eviction copies the storage's bytes out (host pool slot, or SSD bounce slot then an
 asynchronous file write) and shrinks the storage to zero bytes; a fetch grows it back
 and copies the bytes in. Copies go through :class:`~tierflow.runtime.streams.Copier`
 (one side stream on CUDA, at once on CPU); slots are released only when the copy that
 reads them has completed (the back-end's queue, :meth:`Tiers.release_after
 <tierflow.runtime.tier_set.Tiers.release_after>`), and an SSD write is retired when its future
-says so (``_writes``). An I/O error never loses bytes: a failed write restores the
+says so (``Mover.writes``). An I/O error never loses bytes: a failed write restores the
 tensor from its bounce slot, a failed read leaves it in the file.
 """
 
@@ -17,7 +22,8 @@ import contextlib
 import copy
 import ctypes
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,13 +54,353 @@ def left_as_it_was(run: Any, names: tuple[str, ...]) -> Iterator[None]:
         run.stats.restore(saved_stats)
 
 
-class Moves:
-    """Evictions, fetches and their bookkeeping (a mixin of :class:`~tierflow.runtime.executor.Run`).
+@dataclass(frozen=True)
+class HomeTier:
+    """The host buffers of host-side optimizer steps (runtime/host_step.py) seen as one
+    more tier: a host-stepped parameter's master copy, its gradient's buffer. The mover
+    calls these where a storage has a home there (``_Entry.home``).
 
-    The tiers, the copier and the slots waiting for their copies are the back-end's
-    (:class:`~tierflow.runtime.tier_set.Tiers`, ``self._tiers``): this mixin asks it for
-    slots and copies and never reassigns its parts. In CPU mode a host move is one
-    ``memmove`` (``Tiers.memmove``).
+    NOTE: callbacks into the host steps, which own those buffers and their updates in
+    flight; the mover never writes their state.
+    """
+
+    evict: Callable[[_Entry], bool]  # leave the device for the home (False: not synced, a real move)
+    wait: Callable[[_Entry], None]  # its update in flight finished, before it comes back
+    read: Callable[[_Entry, Any], None]  # the copy in from the home started (its event)
+
+
+class Mover:
+    """The back-end that moves storages' bytes between the device and the tiers, and the
+    one writer of what it has in flight (``writes``: SSD writes not yet retired) and of
+    the counters of what it moved (``RunStats``: ``transfers``, ``moved_bytes``,
+    ``moves_by_kind``, ``planned_slots``, ``tier_fallbacks``, ``busy_refusals``, the
+    tiers' sizes).
+
+    It decides nothing: which storage moves, where and when is the caller's (the eager
+    front-end's pager and plan follower). It changes a storage's record (``_Entry``:
+    state, tier, slot, events) as the bytes go, the device bytes through the ledger, the
+    LRU order through the storage table, and takes slots and copies from the tiers.
+
+    Args:
+        tiers: the host pool, the SSD file and the copier (``Tiers``).
+        ledger: the device bytes accounted (``DeviceLedger``).
+        storages: the storage records (``StorageTable``).
+        collectives: the collectives in flight, whose pins keep a storage (``InFlight``).
+        stats: the run's counters (``RunStats``).
+        home: host steps' buffers as a tier (:class:`HomeTier`).
+
+    Example:
+        >>> # run._mover.evict(e, "host"); ...; run._mover.fetch(e)  (a storage's record e)
+    """
+
+    def __init__(self, tiers: Any, ledger: Any, storages: Any, collectives: Any, stats: Any, home: HomeTier) -> None:
+        self._tiers, self._ledger, self._storages = tiers, ledger, storages
+        self._collectives, self._stats, self._home = collectives, stats, home
+        self.writes: list[_Entry] = []  # SSD writes in flight, oldest first
+
+    def _eviction_wait(self) -> None:
+        self._tiers.copier.count_wait("eviction in flight")
+
+    def grow_host(self, nbytes: int) -> bool:
+        """Add a chunk to the host pool for a slot of ``nbytes`` (False where the pool is
+        fixed or at its limit); the stats follow the pool's size."""
+        if not self._tiers.grow_host(nbytes):
+            return False
+        self.tiers_sized()
+        return True
+
+    def tiers_sized(self) -> None:
+        """The stats of the tiers' sizes, as they are now (both may grow)."""
+        sizes, st = self._tiers.sizes(), self._stats
+        st.host_pool_bytes, st.ssd_file_bytes = sizes.host_pool_bytes, sizes.ssd_file_bytes
+        st.pinned_bytes, st.ssd_bounce_bytes = sizes.pinned_bytes, sizes.ssd_bounce_bytes
+
+    def evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
+        tiers = self._tiers
+        st = e.ref()
+        if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
+            return False
+        if e.home is not None and self._home.evict(e):  # a host step's master copy has the bytes
+            return True
+        if e.pins and not self._collectives.unpin(e):
+            self._stats.busy_refusals += 1
+            return False
+        if st.nbytes() != e.nbytes:  # resized behind our back: its owner manages it
+            self._storages.make_foreign(e)
+            self._storages.sync_foreign()
+            return False
+        n = e.nbytes
+        if tier == "ssd" and tiers.ssd is None:
+            tier = "host"
+            self._stats.tier_fallbacks += 1
+        if tier == "host":
+            off = tiers.host.arena.alloc_at(slot, n) if slot is not None else None
+            if off is not None:
+                self._stats.planned_slots += 1
+            else:
+                off = tiers.host.arena.alloc(n)
+            if off is None:
+                self.wait_for_transfers("pool full")
+                off = tiers.host.arena.alloc(n)
+            if off is None and self.grow_host(n):
+                off = tiers.host.arena.alloc(n)
+            if off is None:
+                if tiers.ssd is None:
+                    pool = tiers.host
+                    fix = ("pass a larger host_bytes, or an ssd_dir to spill to" if pool.fixed else
+                           f"the pool may grow to {fmt_bytes(pool.limit)}, the host's available memory less "
+                           "a margin: pass an ssd_dir to spill to, or a larger budget")
+                    raise OffloadError(
+                        f"host pool full: {e.label} needs {fmt_bytes(n)}, {fmt_bytes(pool.arena.free)} free "
+                        f"of {fmt_bytes(pool.capacity)} ({fix})"
+                    )
+                tier = "ssd"
+                self._stats.tier_fallbacks += 1
+        if e.arrival is not None:  # it is still arriving: the copy out must follow the copy in
+            tiers.copier.wait(e.arrival)
+            e.arrival = None
+        if tier == "host" and tiers.memmove:
+            ctypes.memmove(tiers.host.address(off), st.data_ptr(), n)
+            e.slot = off
+        elif tier == "host":
+            src = _u8(st, n)
+            ev = e.departure = tiers.copier.copy(tiers.host.view(off, n), src, src)
+            del src
+            e.slot = off
+        else:
+            src = _u8(st, n)
+            assert tiers.ssd is not None
+            foff = tiers.ssd.alloc_file(n, e.label, at=slot)
+            if slot is not None and foff == slot:
+                self._stats.planned_slots += 1
+            boff = self._bounce_alloc(n)
+            ev = tiers.copier.copy(tiers.ssd.bounce_view(boff, n), src, src)
+            before = (lambda ev=ev: ev.synchronize()) if ev is not None else None
+            e.slot, e.bounce = foff, boff
+            e.io = tiers.ssd.submit(True, boff, foff, n, before)
+            self.writes.append(e)
+            del src
+        st.resize_(0)
+        e.state, e.tier = AWAY, tier
+        if tiers.memmove and tier == "host":
+            self._ledger.remove(n)
+        else:
+            self._ledger.leave(ev, n)
+        self._storages.left_device(e)
+        self.count(f"device->{tier}", tier, n)
+        self.count_move(e.kind, tier)
+        return True
+
+    def count_move(self, kind: str, tier: str) -> None:
+        """A tensor of ``kind`` left the device for ``tier`` (``stats.moves_by_kind``)."""
+        k = f"{kind}@{tier}"
+        self._stats.moves_by_kind[k] = self._stats.moves_by_kind.get(k, 0) + 1
+
+    def _bounce_alloc(self, n: int) -> int:
+        tiers = self._tiers
+        assert tiers.ssd is not None
+        off = tiers.ssd.bounce.alloc(n)
+        while off is None and self.writes:
+            if not self.writes[0].io.done():
+                tiers.copier.count_wait("bounce full")
+            self.finish_write(self.writes[0], wait=True)
+            off = tiers.ssd.bounce.alloc(n)
+        if off is None:
+            self.wait_for_transfers("bounce full")
+            off = tiers.ssd.bounce.alloc(n)
+        if off is None:
+            raise OffloadError(
+                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(tiers.ssd.bounce.capacity)}); "
+                "pass a larger ssd_bytes"
+            )
+        return off
+
+    def prefetch(self, e: _Entry) -> bool:
+        """Start bringing ``e`` back; an SSD read proceeds in the background."""
+        tiers = self._tiers
+        if e.state != AWAY:
+            return False
+        if e.tier == "ssd" and e.bounce < 0:
+            assert tiers.ssd is not None
+            boff = self._bounce_alloc(e.nbytes)
+            e.bounce = boff
+            e.io = tiers.ssd.submit(False, boff, e.slot, e.nbytes)
+            e.state = INCOMING
+            return True
+        self.fetch(e)
+        return True
+
+    def fetch(self, e: _Entry) -> None:
+        """Bring ``e`` back to the device now (an SSD read in flight is waited for)."""
+        tiers = self._tiers
+        st = e.ref()
+        n = e.nbytes
+        if st is None:
+            return
+        if st.nbytes() != 0:  # its owner grew it again while it was away: the bytes are theirs now
+            self._drop_away(e, st)
+            return
+        if e.tier == "host" and tiers.memmove:
+            st.resize_(n)
+            ctypes.memmove(st.data_ptr(), tiers.host.address(e.slot), n)
+            tiers.host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
+            ev = None
+        elif e.tier == "host":
+            st.resize_(n)
+            dst = _u8(st, n)
+            # (the copy in follows the copy out: two streams, see streams.py)
+            ev = tiers.copier.copy(dst, tiers.host.view(e.slot, n), dst, after=e.departure)
+            e.departure = None
+            tiers.release_after(ev, tiers.host.arena, e.slot, n)
+        elif e.tier == "home":  # a host step's buffer (runtime/host_step.py): its update first
+            self._home.wait(e)
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = tiers.copier.copy(dst, e.home, dst)
+            self._home.read(e, ev)
+            e.synced = True
+        else:
+            assert tiers.ssd is not None
+            if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
+                if e.io is not None and not e.io.done():
+                    tiers.copier.count_wait("write in flight")
+                self.finish_write(e, wait=True, keep_bounce=True)
+            elif e.state == AWAY:
+                e.bounce = self._bounce_alloc(n)
+                e.io = tiers.ssd.submit(False, e.bounce, e.slot, n)
+            if e.io is not None:  # a read
+                if not e.io.done():
+                    tiers.copier.count_wait("ssd read")
+                try:
+                    e.io.result()
+                except OSError as err:
+                    e.io = None
+                    tiers.ssd.bounce.release(e.bounce, n)
+                    e.bounce, e.state = -1, AWAY
+                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {tiers.ssd.path} failed: "
+                                   f"{err.strerror or err}; it stays in the file") from None
+                e.io = None
+            st.resize_(n)
+            dst = _u8(st, n)
+            ev = tiers.copier.copy(dst, tiers.ssd.bounce_view(e.bounce, n), dst)
+            tiers.release_after(ev, tiers.ssd.bounce, e.bounce, n)
+            tiers.ssd.arena.release(e.slot, n)
+            e.bounce = -1
+        e.arrival = ev
+        e.state, e.slot = RESIDENT, -1
+        tier, e.tier = e.tier, None
+        self._ledger.add(n)
+        tier = "host" if tier == "home" else tier
+        self.count(f"{tier}->device", tier or "host", n)
+        self._storages.back_on_device(e)
+
+    def _drop_away(self, e: _Entry, st: torch.UntypedStorage) -> None:
+        """Forget the copy of an away storage that someone else re-allocated (and will
+        fill): give back its slots, account it resident, never move it again."""
+        self.give_back_slots(e)
+        e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
+        e.nbytes = int(st.nbytes())
+        self._ledger.add(e.nbytes)
+        self._storages.make_foreign(e)
+
+    def finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
+        """Retire an SSD write: release its bounce slot, or on failure put the tensor back
+        on the device from the bounce copy and raise :class:`SSDError`."""
+        tiers = self._tiers
+        assert tiers.ssd is not None
+        if e.io is None or (not wait and not e.io.done()):
+            return
+        try:
+            e.io.result()
+            err = None
+        except OSError as x:
+            err = x
+        if e in self.writes:
+            self.writes.remove(e)
+        e.io = None
+        if err is None:
+            if not keep_bounce:
+                tiers.ssd.bounce.release(e.bounce, e.nbytes)
+                e.bounce = -1
+            return
+        # the write failed: nothing is lost, the bytes are still in the bounce slot
+        n = e.nbytes
+        tiers.ssd.arena.release(e.slot, n)
+        st = e.ref()
+        if st is not None:
+            st.resize_(n)
+            _u8(st, n).copy_(tiers.ssd.bounce_view(e.bounce, n))
+            self._ledger.add(n)
+            self._storages.back_on_device(e)
+        tiers.ssd.bounce.release(e.bounce, n)
+        e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
+        raise SSDError(
+            f"SSD write of {e.label} ({fmt_bytes(n)}) to {tiers.ssd.path} failed: {err.strerror or err}; "
+            "it was restored to the device, model and optimizer state are intact"
+        )
+
+    def drain_writes(self, raise_errors: bool = True) -> None:
+        while self.writes:
+            try:
+                self.finish_write(self.writes[0], wait=True)
+            except SSDError:
+                if raise_errors:
+                    raise
+
+    def count(self, direction: str, tier: str, n: int) -> None:
+        st = self._stats
+        st.transfers[direction] = st.transfers.get(direction, 0) + n
+        st.moved_bytes[tier] = st.moved_bytes.get(tier, 0) + n
+
+    def reap(self, wait: bool = False) -> None:
+        """Retire what finished: dead storages, completed copies (slots freed), SSD
+        writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
+        self._storages.retire_dead()
+        if self._collectives.records:
+            self._collectives.reap()
+        if self._tiers.frees:
+            self._tiers.reap_frees(wait)
+        if self._ledger.leaving:
+            self._ledger.retire_leaving(every=wait)
+        for e in list(self.writes):
+            self.finish_write(e, wait=wait)
+
+    def wait_for_transfers(self, reason: str) -> None:
+        """Block until every copy and SSD write in flight has finished (a buffer is full
+        and they hold it), counting the wait if there was one."""
+        if self._tiers.frees or self.writes:
+            self._tiers.copier.count_wait(reason)
+        self.reap(wait=True)
+
+    def give_back_slots(self, e: _Entry) -> None:
+        """Give back what an away storage holds outside the device: its SSD write is
+        waited for first (its bytes are being dropped, so an error no longer matters),
+        then its bounce slot and its host or SSD slot."""
+        tiers = self._tiers
+        if e.io is not None:
+            if not e.io.done():
+                tiers.copier.count_wait("write retired")
+            try:
+                e.io.result()
+            except OSError:
+                pass
+            if e in self.writes:
+                self.writes.remove(e)
+            e.io = None
+        if e.bounce >= 0 and tiers.ssd is not None:
+            tiers.ssd.bounce.release(e.bounce, e.nbytes)
+        if e.tier == "host":
+            tiers.host.arena.release(e.slot, e.nbytes)
+        elif e.tier == "home":  # (a host step's own buffer: nothing to give back)
+            pass
+        elif tiers.ssd is not None:
+            tiers.ssd.arena.release(e.slot, e.nbytes)
+
+class Moves:
+    """Room within the budget and inputs made resident (a mixin of
+    :class:`~tierflow.runtime.executor.Run`): which storages leave to make room (least
+    recently used, or by the plan's next use) and when a fetch is a departure from the
+    plan. The bytes move through the back-end, :class:`Mover` (``self._mover``).
     """
 
     def _make_room(self, need: int, keep: list[_Entry]) -> None:
@@ -107,20 +453,6 @@ class Moves:
         if ledger.leaving:
             self._retire_leaving(need)
 
-    def _grow_host(self, nbytes: int) -> bool:
-        """Add a chunk to the host pool for a slot of ``nbytes`` (False where the pool is
-        fixed or at its limit); the stats follow the pool's size."""
-        if not self._tiers.grow_host(nbytes):
-            return False
-        self._tiers_sized()
-        return True
-
-    def _tiers_sized(self) -> None:
-        """The stats of the tiers' sizes, as they are now (both may grow)."""
-        sizes, st = self._tiers.sizes(), self.stats
-        st.host_pool_bytes, st.ssd_file_bytes = sizes.host_pool_bytes, sizes.ssd_file_bytes
-        st.pinned_bytes, st.ssd_bounce_bytes = sizes.pinned_bytes, sizes.ssd_bounce_bytes
-
     def _untracked_now(self) -> int:
         """CUDA: device bytes in use now that no tracked storage explains, above what the
         block found when it opened (bytes still leaving are out of the allocator's count
@@ -148,127 +480,12 @@ class Moves:
     def _eviction_wait(self) -> None:
         self._tiers.copier.count_wait("eviction in flight")
 
-    def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
-        tiers = self._tiers
-        st = e.ref()
-        if st is None or e.state != RESIDENT or not e.resizable or e.nbytes == 0:
-            return False
-        if e.home is not None and self._host_evict(e):  # a host step's master copy has the bytes
-            return True
-        if e.pins and not self._collectives.unpin(e):
-            self.stats.busy_refusals += 1
-            return False
-        if st.nbytes() != e.nbytes:  # resized behind our back: its owner manages it
-            self._storages.make_foreign(e)
-            self._storages.sync_foreign()
-            return False
-        n = e.nbytes
-        if tier == "ssd" and tiers.ssd is None:
-            tier = "host"
-            self.stats.tier_fallbacks += 1
-        if tier == "host":
-            off = tiers.host.arena.alloc_at(slot, n) if slot is not None else None
-            if off is not None:
-                self.stats.planned_slots += 1
-            else:
-                off = tiers.host.arena.alloc(n)
-            if off is None:
-                self._wait_for_transfers("pool full")
-                off = tiers.host.arena.alloc(n)
-            if off is None and self._grow_host(n):
-                off = tiers.host.arena.alloc(n)
-            if off is None:
-                if tiers.ssd is None:
-                    pool = tiers.host
-                    fix = ("pass a larger host_bytes, or an ssd_dir to spill to" if pool.fixed else
-                           f"the pool may grow to {fmt_bytes(pool.limit)}, the host's available memory less "
-                           "a margin: pass an ssd_dir to spill to, or a larger budget")
-                    raise OffloadError(
-                        f"host pool full: {e.label} needs {fmt_bytes(n)}, {fmt_bytes(pool.arena.free)} free "
-                        f"of {fmt_bytes(pool.capacity)} ({fix})"
-                    )
-                tier = "ssd"
-                self.stats.tier_fallbacks += 1
-        if e.arrival is not None:  # it is still arriving: the copy out must follow the copy in
-            tiers.copier.wait(e.arrival)
-            e.arrival = None
-        if tier == "host" and tiers.memmove:
-            ctypes.memmove(tiers.host.address(off), st.data_ptr(), n)
-            e.slot = off
-        elif tier == "host":
-            src = _u8(st, n)
-            ev = e.departure = tiers.copier.copy(tiers.host.view(off, n), src, src)
-            del src
-            e.slot = off
-        else:
-            src = _u8(st, n)
-            assert tiers.ssd is not None
-            foff = tiers.ssd.alloc_file(n, e.label, at=slot)
-            if slot is not None and foff == slot:
-                self.stats.planned_slots += 1
-            boff = self._bounce_alloc(n)
-            ev = tiers.copier.copy(tiers.ssd.bounce_view(boff, n), src, src)
-            before = (lambda ev=ev: ev.synchronize()) if ev is not None else None
-            e.slot, e.bounce = foff, boff
-            e.io = tiers.ssd.submit(True, boff, foff, n, before)
-            self._writes.append(e)
-            del src
-        st.resize_(0)
-        e.state, e.tier = AWAY, tier
-        if tiers.memmove and tier == "host":
-            self._ledger.remove(n)
-        else:
-            self._leave(ev, n)
-        self._storages.left_device(e)
-        self._count(f"device->{tier}", tier, n)
-        self._count_move(e.kind, tier)
-        return True
-
-    def _count_move(self, kind: str, tier: str) -> None:
-        """A tensor of ``kind`` left the device for ``tier`` (``stats.moves_by_kind``)."""
-        k = f"{kind}@{tier}"
-        self.stats.moves_by_kind[k] = self.stats.moves_by_kind.get(k, 0) + 1
-
     def _evict_beyond_plan(self, e: _Entry) -> bool:
         """Evict ``e`` to the host where no plan said so (room an op or a prefetch
         needs), counted (``stats.unplanned_evictions``); False where it cannot move."""
-        if not self._evict(e, "host"):
+        if not self._mover.evict(e, "host"):
             return False
         self.stats.unplanned_evictions += 1
-        return True
-
-    def _bounce_alloc(self, n: int) -> int:
-        tiers = self._tiers
-        assert tiers.ssd is not None
-        off = tiers.ssd.bounce.alloc(n)
-        while off is None and self._writes:
-            if not self._writes[0].io.done():
-                tiers.copier.count_wait("bounce full")
-            self._finish_write(self._writes[0], wait=True)
-            off = tiers.ssd.bounce.alloc(n)
-        if off is None:
-            self._wait_for_transfers("bounce full")
-            off = tiers.ssd.bounce.alloc(n)
-        if off is None:
-            raise OffloadError(
-                f"SSD bounce buffer too small for a {fmt_bytes(n)} tensor ({fmt_bytes(tiers.ssd.bounce.capacity)}); "
-                "pass a larger ssd_bytes"
-            )
-        return off
-
-    def _prefetch(self, e: _Entry) -> bool:
-        """Start bringing ``e`` back; an SSD read proceeds in the background."""
-        tiers = self._tiers
-        if e.state != AWAY:
-            return False
-        if e.tier == "ssd" and e.bounce < 0:
-            assert tiers.ssd is not None
-            boff = self._bounce_alloc(e.nbytes)
-            e.bounce = boff
-            e.io = tiers.ssd.submit(False, boff, e.slot, e.nbytes)
-            e.state = INCOMING
-            return True
-        self._fetch(e)
         return True
 
     def _ensure_resident(self, e: _Entry) -> None:
@@ -286,7 +503,7 @@ class Moves:
                     "away with no prefetch issued before this use"))
             e.unplanned = False
             t0 = time.perf_counter()
-            self._fetch(e)
+            self._mover.fetch(e)
             if not landed:
                 self.stats.stalls += 1
                 self.stats.stall_s += time.perf_counter() - t0
@@ -298,141 +515,6 @@ class Moves:
             self._tiers.copier.wait(e.arrival)
             e.arrival = None
 
-    def _fetch(self, e: _Entry) -> None:
-        """Bring ``e`` back to the device now (an SSD read in flight is waited for)."""
-        tiers = self._tiers
-        st = e.ref()
-        n = e.nbytes
-        if st is None:
-            return
-        if st.nbytes() != 0:  # its owner grew it again while it was away: the bytes are theirs now
-            self._drop_away(e, st)
-            return
-        if e.tier == "host" and tiers.memmove:
-            st.resize_(n)
-            ctypes.memmove(st.data_ptr(), tiers.host.address(e.slot), n)
-            tiers.host.arena.release(e.slot, n)  # (the copy is done: the slot is free now)
-            ev = None
-        elif e.tier == "host":
-            st.resize_(n)
-            dst = _u8(st, n)
-            # (the copy in follows the copy out: two streams, see streams.py)
-            ev = tiers.copier.copy(dst, tiers.host.view(e.slot, n), dst, after=e.departure)
-            e.departure = None
-            tiers.release_after(ev, tiers.host.arena, e.slot, n)
-        elif e.tier == "home":  # a host step's buffer (runtime/host_step.py): its update first
-            self._host_wait(e)
-            st.resize_(n)
-            dst = _u8(st, n)
-            ev = tiers.copier.copy(dst, e.home, dst)
-            self._host_read(e, ev)
-            e.synced = True
-        else:
-            assert tiers.ssd is not None
-            if e.state == AWAY and e.bounce >= 0:  # the write may be in flight: its bounce has the bytes
-                if e.io is not None and not e.io.done():
-                    tiers.copier.count_wait("write in flight")
-                self._finish_write(e, wait=True, keep_bounce=True)
-            elif e.state == AWAY:
-                e.bounce = self._bounce_alloc(n)
-                e.io = tiers.ssd.submit(False, e.bounce, e.slot, n)
-            if e.io is not None:  # a read
-                if not e.io.done():
-                    tiers.copier.count_wait("ssd read")
-                try:
-                    e.io.result()
-                except OSError as err:
-                    e.io = None
-                    tiers.ssd.bounce.release(e.bounce, n)
-                    e.bounce, e.state = -1, AWAY
-                    raise SSDError(f"SSD read of {e.label} ({fmt_bytes(n)}) from {tiers.ssd.path} failed: "
-                                   f"{err.strerror or err}; it stays in the file") from None
-                e.io = None
-            st.resize_(n)
-            dst = _u8(st, n)
-            ev = tiers.copier.copy(dst, tiers.ssd.bounce_view(e.bounce, n), dst)
-            tiers.release_after(ev, tiers.ssd.bounce, e.bounce, n)
-            tiers.ssd.arena.release(e.slot, n)
-            e.bounce = -1
-        e.arrival = ev
-        e.state, e.slot = RESIDENT, -1
-        tier, e.tier = e.tier, None
-        self._ledger.add(n)
-        tier = "host" if tier == "home" else tier
-        self._count(f"{tier}->device", tier or "host", n)
-        self._storages.back_on_device(e)
-
-    def _drop_away(self, e: _Entry, st: torch.UntypedStorage) -> None:
-        """Forget the copy of an away storage that someone else re-allocated (and will
-        fill): give back its slots, account it resident, never move it again."""
-        self._give_back_slots(e)
-        e.state, e.tier, e.slot, e.bounce = RESIDENT, None, -1, -1
-        e.nbytes = int(st.nbytes())
-        self._ledger.add(e.nbytes)
-        self._storages.make_foreign(e)
-
-    def _finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
-        """Retire an SSD write: release its bounce slot, or on failure put the tensor back
-        on the device from the bounce copy and raise :class:`SSDError`."""
-        tiers = self._tiers
-        assert tiers.ssd is not None
-        if e.io is None or (not wait and not e.io.done()):
-            return
-        try:
-            e.io.result()
-            err = None
-        except OSError as x:
-            err = x
-        if e in self._writes:
-            self._writes.remove(e)
-        e.io = None
-        if err is None:
-            if not keep_bounce:
-                tiers.ssd.bounce.release(e.bounce, e.nbytes)
-                e.bounce = -1
-            return
-        # the write failed: nothing is lost, the bytes are still in the bounce slot
-        n = e.nbytes
-        tiers.ssd.arena.release(e.slot, n)
-        st = e.ref()
-        if st is not None:
-            st.resize_(n)
-            _u8(st, n).copy_(tiers.ssd.bounce_view(e.bounce, n))
-            self._ledger.add(n)
-            self._storages.back_on_device(e)
-        tiers.ssd.bounce.release(e.bounce, n)
-        e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
-        raise SSDError(
-            f"SSD write of {e.label} ({fmt_bytes(n)}) to {tiers.ssd.path} failed: {err.strerror or err}; "
-            "it was restored to the device, model and optimizer state are intact"
-        )
-
-    def _drain_writes(self, raise_errors: bool = True) -> None:
-        while self._writes:
-            try:
-                self._finish_write(self._writes[0], wait=True)
-            except SSDError:
-                if raise_errors:
-                    raise
-
-    def _count(self, direction: str, tier: str, n: int) -> None:
-        st = self.stats
-        st.transfers[direction] = st.transfers.get(direction, 0) + n
-        st.moved_bytes[tier] = st.moved_bytes.get(tier, 0) + n
-
-    def _reap(self, wait: bool = False) -> None:
-        """Retire what finished: dead storages, completed copies (slots freed), SSD
-        writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
-        self._retire_dead()
-        if self._inflight:
-            self._collectives.reap()
-        if self._frees:
-            self._tiers.reap_frees(wait)
-        if self._ledger.leaving:
-            self._retire_leaving(every=wait)
-        for e in list(self._writes):
-            self._finish_write(e, wait=wait)
-
     def _retire_dead(self) -> None:
         """Forget the storages that died since (:meth:`StorageTable.retire_dead`)."""
         self._storages.retire_dead()
@@ -443,35 +525,30 @@ class Moves:
         if e.state == DROPPED:  # (for recompute: no bytes anywhere)
             self._recomputer.forget(e.cdata)
         else:
-            self._give_back_slots(e)
+            self._mover.give_back_slots(e)
 
-    def _wait_for_transfers(self, reason: str) -> None:
-        """Block until every copy and SSD write in flight has finished (a buffer is full
-        and they hold it), counting the wait if there was one."""
-        if self._frees or self._writes:
-            self._tiers.copier.count_wait(reason)
-        self._reap(wait=True)
+    # -- the mover's methods, for the mixins that still reach them through ``self`` ------
+
+    def _evict(self, e: _Entry, tier: str, slot: int | None = None) -> bool:
+        """:meth:`Mover.evict`."""
+        return self._mover.evict(e, tier, slot)
+
+    def _fetch(self, e: _Entry) -> None:
+        """:meth:`Mover.fetch`."""
+        self._mover.fetch(e)
+
+    def _reap(self, wait: bool = False) -> None:
+        """:meth:`Mover.reap`."""
+        self._mover.reap(wait)
 
     def _give_back_slots(self, e: _Entry) -> None:
-        """Give back what an away storage holds outside the device: its SSD write is
-        waited for first (its bytes are being dropped, so an error no longer matters),
-        then its bounce slot and its host or SSD slot."""
-        tiers = self._tiers
-        if e.io is not None:
-            if not e.io.done():
-                tiers.copier.count_wait("write retired")
-            try:
-                e.io.result()
-            except OSError:
-                pass
-            if e in self._writes:
-                self._writes.remove(e)
-            e.io = None
-        if e.bounce >= 0 and tiers.ssd is not None:
-            tiers.ssd.bounce.release(e.bounce, e.nbytes)
-        if e.tier == "host":
-            tiers.host.arena.release(e.slot, e.nbytes)
-        elif e.tier == "home":  # (a host step's own buffer: nothing to give back)
-            pass
-        elif tiers.ssd is not None:
-            tiers.ssd.arena.release(e.slot, e.nbytes)
+        """:meth:`Mover.give_back_slots`."""
+        self._mover.give_back_slots(e)
+
+    def _count(self, direction: str, tier: str, n: int) -> None:
+        """:meth:`Mover.count`."""
+        self._mover.count(direction, tier, n)
+
+    def _count_move(self, kind: str, tier: str) -> None:
+        """:meth:`Mover.count_move`."""
+        self._mover.count_move(kind, tier)

@@ -6,12 +6,14 @@ The unit the runtime moves is a *storage*, never a tensor: every view of it (a
 parameter, the transposed weight autograd saved, an Adam moment) stays a valid Python
 object while its bytes are away. :class:`_Entry` is the record of one storage, keyed
 by the storage's ``_cdata`` address and holding only a weak reference to it (the
-weakref's callback reports its death). :class:`StorageTracking` is the part of
-:class:`~tierflow.runtime.executor.Run` that makes and labels these records: from the
-module's and optimizer's state, post-accumulate-grad hooks (gradients), the
-saved-tensor pack hook (activations), and collectives in flight (pinned until their
-``Work`` completes). The helpers above it find the plain tensors and the storages in
-an op's arguments, cheaply: they run for every op.
+weakref's callback reports its death). :class:`StorageTable` owns the records (the
+only writer of them; the executor, the follower and the mover read its containers and
+call its methods). :class:`StorageTracking` is the part of
+:class:`~tierflow.runtime.executor.Run` that labels them from PyTorch's hooks:
+post-accumulate-grad hooks (gradients), the saved-tensor pack hook (activations), and
+collectives in flight (pinned until their ``Work`` completes); the module's and
+optimizer's state are labelled when the block opens. The helpers above them find the
+plain tensors and the storages in an op's arguments, cheaply: they run for every op.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class _Entry:
     external: bool = False  # made before an iteration, held by the user's loop: never moved
     unplanned: bool = False  # away because the budget forced an eviction the plan did not make
     # counted against the budget: False for a storage made before the block opened and
-    # first seen as an op's input (the user's data; never moved, see StorageTracking._entry)
+    # first seen as an op's input (the user's data; never moved, see StorageTable.entry)
     counted: bool = True
     # host steps (runtime/host_step.py): the host buffer that is this storage's home off
     # the device (a host-stepped parameter's master copy, its gradient's buffer): while

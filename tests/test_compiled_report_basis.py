@@ -1,0 +1,46 @@
+"""GraphReport's trace peak and planned peak have one basis: the graph's own ops on its
+partition's trace (issue 30). The plan's curve, with the loss's estimate and the other
+graphs' terms its target is set on, is a field of its own (``plan_peak_bytes``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tierflow.compiled as tc
+from test_compiled_frontend import planned, train
+from tierflow.compiled.prefetch import offloaded_curve
+
+
+@pytest.fixture(scope="module")
+def at_30():
+    return train(planned("30%", recompute=False), steps=1)[2]
+
+
+def test_without_a_plan_the_planned_peak_is_the_trace_peak():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    # logits to the caller: the plan's curve adds the loss's estimated working set
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 512))
+    with tc.compile(model, budget=None, backend="aot_eager") as run:
+        run.model(torch.randn(1024, 16)).pow(2).mean().backward()
+    (g,) = run.stats.compiled_graphs
+    assert g["predicted_peak_bytes_planned"] == g["predicted_peak_bytes"] < g["plan_peak_bytes"]
+
+
+def test_the_planned_peak_is_the_real_partition_with_its_offloads_and_moved_gradients(at_30):
+    (rec,) = at_30.records
+    (g,) = at_30.stats.compiled_graphs
+    assert g["offloaded"] > 0 and rec.grads_offloaded and not any(rec.prefetch_ops.values())
+    saved = {s.name: s for s in rec.real.saved}
+    grads = {s.name: s for s in rec.real.grads}
+    moved = [saved[n] for n in rec.offloaded] + [grads[n] for n in rec.grads_offloaded]
+    recount = offloaded_curve(rec.real, moved)  # (prefetch.py's: a second count of the same curve)
+    assert g["predicted_peak_bytes_planned"] == int(recount.max()) < g["predicted_peak_bytes"]
+
+
+def test_the_plans_own_curve_meets_its_target(at_30):
+    (g,) = at_30.stats.compiled_graphs
+    assert g["plan_peak_bytes"] == at_30.records[0].plan.predicted_peak_bytes
+    assert g["plan_peak_bytes"] <= g["target_bytes"] or g["unreachable"]
