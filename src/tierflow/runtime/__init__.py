@@ -18,14 +18,22 @@ components, each the one writer of its state: docs/runtime.md, "Front-ends and b
   ``Moves`` mixin: room within the budget, inputs made resident.
 - :mod:`.follow`: following a plan: the moves after each op, planned prefetches,
   victims, the pool layout, the move probe.
-- :mod:`.profiling`: the profiled iteration to a trace, the hardware model, the plan
-  and its prediction, the minimum-working-set check.
+- :mod:`.profiling`: the profiled iteration to a trace, the plan and its prediction,
+  the minimum-working-set check. Components it asks: :mod:`.profile_record`
+  (``ProfileRecord``: the profiled iteration's ops, their times, what the loop held),
+  :mod:`.profile_schedule` (``ProfileSchedule``: whether the next iteration is
+  profiled, and why), :mod:`.machine_model` (``MachineModel``: the hardware plans are
+  made for, from what is measured here).
+- :mod:`.step_clock`: the steps' times (``StepClock``) and whether
+  ``optimizer.step()`` is running (``StepNesting``).
 - :mod:`.opfacts`: the profiled ops' module scopes (a scope tracker active for the
   profiled iteration only) and ``rng``/``pure`` flags, as capture records them.
 - :mod:`.optim_chunks`: the user's optimizer step run in parameter chunks that fit the
-  budget (foreach and fused optimizers).
-- :mod:`.recompute`, :mod:`.host_step`: executing the plan's recompute chains and
-  host-side optimizer steps.
+  budget (foreach and fused optimizers), leaving out what host steps update.
+- :mod:`.recompute`: the plan's recompute chains executed (``Recomputer``, one per
+  plan: drops, records, replays).
+- :mod:`.host_step`: the plan's host-side optimizer steps (still a mixin: it works
+  through the storage records and the mover as ``Run`` methods).
 - :mod:`.tiers` (host pool, SSD file), :mod:`.streams` (the copy layer),
   :mod:`.stats` (``RunStats``), :mod:`.distributed` (ranks planning together),
   :mod:`.plans` (the round-trip test plan), :mod:`.training` (``tierflow train`` and the

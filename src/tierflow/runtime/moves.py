@@ -511,7 +511,7 @@ class Moves:
 
     def _ensure_resident(self, e: _Entry) -> None:
         if e.state is DROPPED:  # dropped for recompute: its chain runs now
-            self._remake_entry(e)
+            self._recomputer.remake_entry(e)
             return
         if e.state != RESIDENT:
             # an SSD read that already landed in its bounce slot is a prefetch that worked
@@ -544,7 +544,7 @@ class Moves:
         """A storage died while not on the device (``StorageTable``'s ``gone_away``): its
         slots go back to the tiers, or, dropped for recompute, its chain forgets it."""
         if e.state == DROPPED:  # (for recompute: no bytes anywhere)
-            self._dropped_in.pop(e.cdata, None)
+            self._recomputer.forget(e.cdata)
         else:
             self._mover.give_back_slots(e)
 
