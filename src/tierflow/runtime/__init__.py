@@ -16,8 +16,9 @@ components, each the one writer of its state: docs/runtime.md, "Front-ends and b
 - :mod:`.moves`: ``Mover``, the back-end that moves a storage's bytes between the
   device, the host pool and the SSD file and retires finished copies and writes; the
   ``Moves`` mixin: room within the budget, inputs made resident.
-- :mod:`.follow`: following a plan: the moves after each op, planned prefetches,
-  victims, the pool layout, the move probe.
+- :mod:`.follow`: ``Follower``, the component that follows a plan op by op (the moves
+  after each op, planned prefetches waiting for room); the ``PlanFollowing`` mixin: the
+  plan's move table and pool layout, victims for the pager, the move probe.
 - :mod:`.profiling`: the profiled iteration to a trace, the plan and its prediction,
   the minimum-working-set check. Components it asks: :mod:`.profile_record`
   (``ProfileRecord``: the profiled iteration's ops, their times, what the loop held),

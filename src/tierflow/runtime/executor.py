@@ -53,7 +53,6 @@ import math
 import os
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,7 +69,7 @@ from ..trace import Trace
 from .backend import backend_for, sized_by
 from .collectives import InFlight
 from .errors import OffloadError, SSDError
-from .follow import PlanFollowing
+from .follow import Follower, PlanFollowing
 from .homecoming import bring_home
 from .host_costs import measure_host_costs
 from .host_step import HostSteps
@@ -296,8 +295,6 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         self.stats.blocking_waits = self._tiers.copier.waits  # (the same dict: counted as they happen)
         # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
         self._frees = self._tiers.frees
-        self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room (follow.py's)
-        self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident (follow.py's)
         self._ledger = DeviceLedger()  # accounted device bytes, copies out in flight, the peak (runtime/ledger.py)
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         # the storage records: one component owns them (runtime/storages.py). Its
@@ -335,6 +332,12 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         self._mover = Mover(self._tiers, self._ledger, self._storages, self._collectives, self.stats,
                             HomeTier(evict=self._host_evict, wait=self._host_wait, read=self._host_read))
         self._writes = self._mover.writes
+        # following the plan op by op: the follower (runtime/follow.py); its queue of
+        # prefetches waiting for room, read on every op: an alias, never reassigned
+        self._follower = Follower(self._storages, self._mover, self._ledger, self.stats, room=lambda: self.budget,
+                                  make_room=self._make_room, evict_beyond_plan=self._evict_beyond_plan,
+                                  retire_leaving=self._retire_leaving)
+        self._pending = self._follower.pending
         self._mover.tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes, ssd_bounce_bytes)
         from .distributed import RankSync, world
 
@@ -546,7 +549,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         self._in_iter = True
         self._step_nesting.reset()  # (a step that raised left its count behind)
         self._op = 0
-        self._begin_following()  # (no gradient held past its last use yet)
+        self._follower.begin_iteration()  # (no gradient held past its last use yet)
         self._first_in: set[int] = set()  # profiling: trace ids first seen as an op's input
         self._recording = (self._schedule.need_profile or self.plan is None) and not self._pager_iteration
         following = not self._recording and self.plan is not None and not self._pager_iteration
@@ -581,11 +584,11 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
         self._opfacts.begin_ticks(self.model, self._recording, self._recorded_ops)
         if self._planned:
-            self._leave_start_away()  # (persistent tensors the plan starts the iteration without)
+            self._follower.leave_start_away(self._start_away)  # (persistent tensors the plan starts the iteration without)
             # (after a profile, or after ops between iterations moved what the plan
             # starts with: validation, a state dict; runtime/outside.py)
             if self._schedule.take_start_state() or self._outside_ran:
-                self._enter_start_state()
+                self._follower.enter_start_state(self._start_away)
         self._outside_ran = False
         self._mover.reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         if self._recording:
@@ -689,7 +692,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         if self._dead or self._frees or self._writes or self._inflight:
             self._mover.reap()
         if self._pending:
-            self._issue_pending()
+            self._follower.issue_pending(self._hinted)
         tensors = _leaves(args) + (_leaves(list(kwargs.values())) if kwargs else [])
         if types:  # tensor subclasses (DTensor): the plain tensors inside hold the bytes; the
             # subclass runs its own ops on them below this mode, unseen, so they are made
@@ -791,7 +794,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         table.note_peak()
         if in_iter:
             if following and not self._stale:
-                self._fire(i, hints=self._hinted)
+                self._follower.fire(self._actions, i, self._hinted)
             self._op = self._next_op[i] if following else self._op + 1  # [host steps] past host ops
         return out
 
@@ -909,7 +912,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         if self._frees or self._writes or self._inflight:
             self._mover.reap()
         if self._pending:
-            self._issue_pending()
+            self._follower.issue_pending(self._hinted)
         # NOTE: the loops below are written out, not shared helpers: they run for every
         # op, and in CPython a call and a list per op cost as much as the work itself
         ins = []
@@ -1012,7 +1015,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         if ledger.used > ledger.peak:
             table.note_peak()
         if moves and not self._stale:
-            self._fire(i, hints=self._hinted)
+            self._follower.fire(self._actions, i, self._hinted)
         self._op = next_op  # [host steps] (i + 1, past ops the host runs)
         return out
 
