@@ -102,12 +102,15 @@ def recompute_s(facts: GraphFacts, tensor: int, stays: set[int]) -> float:
     return cost
 
 
-def curve_with(facts: GraphFacts, offload: list[SavedTensor]) -> np.ndarray:
+def curve_with(facts: GraphFacts, offload: list[SavedTensor], tangents: list[HeldTangent] = ()) -> np.ndarray:
     """The facts' live-bytes curve with ``offload`` (offloaded or recomputed tensors) off
-    the device inside their gaps, once per storage."""
+    the device inside their gaps, once per storage, and the received gradients
+    ``tangents`` off it between their readers."""
     curve = facts.curve.copy()
     for s in {s.tensor: s for s in offload}.values():
         _drop(curve, [s])
+    for t in tangents:
+        _drop_tangent(curve, t)
     return curve
 
 
@@ -158,7 +161,8 @@ def _drop_tangent(curve: np.ndarray, t: HeldTangent) -> None:
         curve[lo:hi] -= t.bytes
 
 
-def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool = True) -> np.ndarray:
+def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool = True,
+                move_tangents: bool = True) -> np.ndarray:
     """The facts' curve with every saved storage a plan may move (:func:`plan_graph`'s
     candidates) and every movable gradient off the device inside its gap: the working
     set no plan of this graph lowers (the tensors an op reads and writes, and what
@@ -168,6 +172,8 @@ def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool
         facts: the graph.
         min_bytes: as :func:`plan_graph`'s (smaller storages stay).
         move_grads: count movable gradients as moved, as :func:`plan_graph` may.
+        move_tangents: count received gradients read early and late as moved
+            (:func:`movable_tangents`), as :func:`plan_graph` may.
     """
     off = [g[0] for g in _storages(facts, min_bytes).values()]
     if move_grads:
@@ -176,7 +182,7 @@ def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool
     curve = facts.curve.copy()
     for s in off:
         curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
-    for t in movable_tangents(facts, min_bytes):
+    for t in movable_tangents(facts, min_bytes) if move_tangents else ():
         _drop_tangent(curve, t)
     return curve
 
