@@ -44,3 +44,25 @@ def test_the_plans_own_curve_meets_its_target(at_30):
     (g,) = at_30.stats.compiled_graphs
     assert g["plan_peak_bytes"] == at_30.records[0].plan.predicted_peak_bytes
     assert g["plan_peak_bytes"] <= g["target_bytes"] or g["unreachable"]
+
+
+def test_a_moved_tangent_is_off_the_planned_peak():
+    from test_compiled_tangents import _skip_train
+
+    run = _skip_train("30%")[2]
+    (rec,) = run.records
+    (g,) = run.stats.compiled_graphs
+    assert rec.tangents_moved and g["tangents_moved"] == 1
+    # a recount on the real partition's curve: saved tensors and gradients moved inside
+    # their gaps, the received gradient between its readers and after its last one
+    real, curve = rec.real, rec.real.curve.copy()
+    for s in {s.tensor: s for s in real.saved if s.name in rec.offloaded}.values():
+        curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+    for s in real.grads:
+        if s.name in rec.grads_offloaded:
+            curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+    held = int(curve.max())
+    (t,) = [t for t in real.tangents if t.name in rec.tangents_moved]
+    curve[t.last_early_use + 1 : t.first_late_use] -= t.bytes
+    curve[t.last_use + 1 :] -= t.bytes
+    assert g["predicted_peak_bytes_planned"] == int(curve.max()) < held

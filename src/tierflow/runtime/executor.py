@@ -415,7 +415,8 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
                 self._chunker.uninstall()
             # the model and optimizer whole again after the block: on the device where
             # they fit, else on the host (runtime/homecoming.py)
-            self.stats.state_after_block = bring_home(self, errors)
+            self.stats.state_after_block = bring_home(self.model, self.optimizer, self.device, storages=self._storages,
+                                                      mover=self._mover, ledger=self._ledger, errors=errors)
             self._mover.drain_writes(raise_errors=False)
             self._tiers.copier.drain()
             self._mover.reap()
