@@ -254,7 +254,7 @@ def _graph_line(g: dict[str, Any]) -> str:
     target = "none" if g["target_bytes"] is None else f"{g['target_bytes'] / mib:.2f} MiB"
     floor = ""
     if g.get("budget_bytes") is not None:
-        floor = (f", floor {g['floor_bytes'] / mib:.2f} MiB against {g['budget_bytes'] / mib:.2f}"
+        floor = (f", floor {g['floor_bytes'] / mib:.2f} MiB at {g['floor_op']} against {g['budget_bytes'] / mib:.2f}"
                  + (" (ABOVE)" if g["floor_above_budget"] else ""))
     return (f"  graph {g['index']}: calls {g['calls']}, trace {g['predicted_peak_bytes'] / mib:.2f} -> "
             f"{g['predicted_peak_bytes_planned'] / mib:.2f} MiB, plan curve {g.get('plan_peak_bytes', 0) / mib:.2f} "

@@ -193,6 +193,7 @@ def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[s
     ``aliases``, where given, is filled with ``Run``'s aliases of the components'
     containers (its attribute -> (held attribute, container))."""
     classes = _owner_classes(root)
+    runs = run_classes(root)
     comps = {h: c for h, c in held.items() if c in classes}
     trees = {f.stem: ast.parse(f.read_text()) for f in sorted(root.glob("*.py"))}
     # Run's aliases of a component's containers: self._lru = table.lru / self._storages.lru
@@ -213,7 +214,13 @@ def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[s
                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     yield (cls.name if cls is not None else None), fn
 
-    def locals_of(fn: ast.AST) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    def is_alias(node: ast.AST, cls: str | None) -> bool:
+        """``node`` is Run's alias of a component's container: ``run.<alias>``, or
+        ``self.<alias>`` in Run's own code (another class's ``self._pending`` is its own)."""
+        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr in alias
+                and (node.value.id != "self" or cls in runs))
+
+    def locals_of(fn: ast.AST, cls: str | None) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
         comp_locals: dict[str, str] = {}
         for n in ast.walk(fn):
             if isinstance(n, ast.Assign):
@@ -229,13 +236,15 @@ def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[s
                         continue
                     if isinstance(v, ast.Attribute) and comp_of(v.value, comp_locals) is not None:
                         cont_locals[t.id] = (comp_of(v.value, comp_locals), v.attr)
-                    elif isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.attr in alias:
+                    elif is_alias(v, cls):
                         cont_locals[t.id] = alias[v.attr]
         return comp_locals, cont_locals
 
     for tree in trees.values():
-        for _cls, fn in functions(tree):
-            comp_locals, _ = locals_of(fn)
+        for cls, fn in functions(tree):
+            if cls not in runs:  # (an alias is Run's attribute)
+                continue
+            comp_locals, _ = locals_of(fn, cls)
             for n in ast.walk(fn):
                 if isinstance(n, ast.Assign):
                     for t, v in _pairs(n):
@@ -243,14 +252,15 @@ def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[s
                                 and comp_of(v.value, comp_locals) is not None):
                             alias[t.attr] = (comp_of(v.value, comp_locals), v.attr)
 
-    def container(node: ast.AST, comp_locals: dict[str, str], cont_locals: dict[str, tuple[str, str]]
+    def container(node: ast.AST, cls: str | None, comp_locals: dict[str, str],
+                  cont_locals: dict[str, tuple[str, str]]
                   ) -> tuple[str, str] | None:
         """(held attribute, container) that ``node`` is, if it is a component's container."""
         if isinstance(node, ast.Attribute):
             h = comp_of(node.value, comp_locals)
             if h is not None:
                 return h, node.attr
-            if isinstance(node.value, ast.Name) and node.attr in alias:
+            if is_alias(node, cls):
                 return alias[node.attr]
         if isinstance(node, ast.Name):
             return cont_locals.get(node.id)
@@ -259,18 +269,18 @@ def reach_in_writes(root: Path, held: dict[str, str], aliases: dict[str, tuple[s
     found: dict[str, set[str]] = defaultdict(set)
     for stem, tree in trees.items():
         for cls, fn in functions(tree):
-            comp_locals, cont_locals = locals_of(fn)
+            comp_locals, cont_locals = locals_of(fn, cls)
             for n in ast.walk(fn):
                 hits: list[tuple[str, str, str]] = []  # (held, attribute, how)
                 for t in _targets(n) + (n.targets if isinstance(n, ast.Delete) else []):
                     if isinstance(t, ast.Attribute) and comp_of(t.value, comp_locals) is not None:
                         hits.append((comp_of(t.value, comp_locals), t.attr, "="))
                     elif isinstance(t, ast.Subscript):
-                        c = container(t.value, comp_locals, cont_locals)
+                        c = container(t.value, cls, comp_locals, cont_locals)
                         if c is not None:
                             hits.append((*c, "[]="))
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in MUTATORS:
-                    c = container(n.func.value, comp_locals, cont_locals)
+                    c = container(n.func.value, cls, comp_locals, cont_locals)
                     if c is not None:
                         hits.append((*c, f".{n.func.attr}()"))
                 for h, attr, how in hits:

@@ -44,3 +44,39 @@ def test_the_plans_own_curve_meets_its_target(at_30):
     (g,) = at_30.stats.compiled_graphs
     assert g["plan_peak_bytes"] == at_30.records[0].plan.predicted_peak_bytes
     assert g["plan_peak_bytes"] <= g["target_bytes"] or g["unreachable"]
+
+
+def test_a_moved_tangent_is_off_the_planned_peak():
+    from test_compiled_tangents import _skip_train
+
+    run = _skip_train("30%")[2]
+    (rec,) = run.records
+    (g,) = run.stats.compiled_graphs
+    assert rec.tangents_moved and g["tangents_moved"] == 1
+    # a recount on the real partition's curve: saved tensors and gradients moved inside
+    # their gaps, the received gradient between its readers and after its last one
+    real, curve = rec.real, rec.real.curve.copy()
+    for s in {s.tensor: s for s in real.saved if s.name in rec.offloaded}.values():
+        curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+    for s in real.grads:
+        if s.name in rec.grads_offloaded:
+            curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+    held = int(curve.max())
+    (t,) = [t for t in real.tangents if t.name in rec.tangents_moved]
+    curve[t.last_early_use + 1 : t.first_late_use] -= t.bytes
+    curve[t.last_use + 1 :] -= t.bytes
+    assert g["predicted_peak_bytes_planned"] == int(curve.max()) < held
+
+
+def test_the_floor_takes_a_storage_group_off_whole_and_is_no_higher_than_the_planned_peak():
+    from test_compiled_floor import _train as train_qkv
+    from tierflow.compiled.plan import floor_curve
+
+    run = train_qkv("10%", steps=1)[2]
+    (rec,) = run.records
+    (g,) = run.stats.compiled_graphs
+    groups = {s.group for s in rec.real.saved if s.group}
+    assert groups and g["offloaded"] > 0
+    # every view of an offloaded group leaves with it: the floor (all movable moved) is
+    # at most what the plan left (HF GPT-2 4L: 94.3 MiB against 78.3 with the first view's alone)
+    assert g["floor_bytes"] == int(floor_curve(rec.real).max()) <= g["predicted_peak_bytes_planned"]

@@ -53,11 +53,11 @@ def test_measuring_leaves_the_run_as_it_was():
             step()
         run._reap()
         before = (run.stats.to_dict(), run._ledger.used, run._ledger.peak, set(run._entries), run._optab, run._n_ops,
-                  run._chains, run.budget, run._quiet, run._fast)
+                  run._recomputer, run._recomputer.chains, run.budget, run._quiet, run._fast)
         costs = measure_host_costs(run, ops=8, rounds=2)
         run._reap()
         after = (run.stats.to_dict(), run._ledger.used, run._ledger.peak, set(run._entries), run._optab, run._n_ops,
-                 run._chains, run.budget, run._quiet, run._fast)
+                 run._recomputer, run._recomputer.chains, run.budget, run._quiet, run._fast)
         assert costs.op_issue_s > 0 and costs.recompute_issue_s > 0
         assert after == before
         for _ in range(2):  # the plan is still followed

@@ -100,15 +100,16 @@ def test_dropout_and_batchnorm_under_checkpoint_at_a_budget():
 def test_a_dropped_tensor_needed_early_is_remade_on_the_spot(monkeypatch):
     """No chain is re-made at its planned op (as if the plan were wrong): backward's ops
     need the dropped activations first, and each chain is re-made when one asks."""
-    from tierflow.runtime.executor import Run
+    from tierflow.runtime.recompute import Recomputer
 
-    tables = Run._recompute_tables
+    for_plan = Recomputer.for_plan
 
     def never_planned(self, trace, plan):
-        tables(self, trace, plan)
-        self._remakes = [()] * trace.n_ops
+        rc = for_plan(self, trace, plan)
+        rc.remakes = [()] * trace.n_ops
+        return rc
 
-    monkeypatch.setattr(Run, "_recompute_tables", never_planned)
+    monkeypatch.setattr(Recomputer, "for_plan", never_planned)
     ref = _dropnorm_run(6)
     got = _dropnorm_run(6, policy="checkpoint", policy_options={"always": True})
     _assert_bitwise(got, ref)

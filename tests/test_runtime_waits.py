@@ -83,8 +83,8 @@ def test_cpu_mode_prices_each_move_and_the_probe_leaves_no_trace():
 
 def test_the_move_probe_times_the_planned_path_and_puts_everything_back(monkeypatch):
     """The move cost the CPU-mode model charges is timed through the code a planned move
-    takes on the lean path: the per-op move table (``_fire``) and, for a prefetch, the
-    queue of prefetches waiting for room (``_issue_pending``); the plan's tables, its
+    takes on the lean path: the per-op move table (``Follower.fire``) and, for a prefetch,
+    the queue of prefetches waiting for room (``Follower.issue_pending``); the plan's tables, its
     queue, the budget, the LRU order, the device count and the stats are as before."""
     import copy
 
@@ -92,7 +92,7 @@ def test_the_move_probe_times_the_planned_path_and_puts_everything_back(monkeypa
 
     from tierflow import offload
     from tierflow.capture import zoo
-    from tierflow.runtime.executor import Run
+    from tierflow.runtime.follow import Follower
 
     built = zoo.build("gpt-tiny", seed=0)
     net = built.model
@@ -104,21 +104,21 @@ def test_the_move_probe_times_the_planned_path_and_puts_everything_back(monkeypa
             opt.step()
             opt.zero_grad()
         assert run.stats.planned_steps >= 1 and run._actions
-        calls = {"_fire": 0, "_issue_pending": 0}
+        calls = {"fire": 0, "issue_pending": 0}
         for name in calls:
-            real = getattr(Run, name)
+            real = getattr(Follower, name)
 
             def counted(self, *a, _real=real, _name=name, **k):
                 calls[_name] += 1
                 return _real(self, *a, **k)
 
-            monkeypatch.setattr(Run, name, counted)
+            monkeypatch.setattr(Follower, name, counted)
         run._reap()
         before = (run._actions, run._iter_entries, list(run._pending), run.budget, list(run._lru),
                   run._ledger.used, copy.deepcopy(run.stats))
         cost = run._probe_move_s(rounds=4, tensors=3)
         assert 0 < cost < 0.01
-        assert calls["_fire"] == 4 * 6 and calls["_issue_pending"] >= 4 * 3
+        assert calls["fire"] == 4 * 6 and calls["issue_pending"] >= 4 * 3
         after = (run._actions, run._iter_entries, list(run._pending), run.budget, list(run._lru),
                  run._ledger.used, run.stats)
         assert after[0] is before[0] and after[1] is before[1] and after[2:5] == before[2:5]

@@ -16,16 +16,25 @@ components, each the one writer of its state: docs/runtime.md, "Front-ends and b
 - :mod:`.moves`: ``Mover``, the back-end that moves a storage's bytes between the
   device, the host pool and the SSD file and retires finished copies and writes; the
   ``Moves`` mixin: room within the budget, inputs made resident.
-- :mod:`.follow`: following a plan: the moves after each op, planned prefetches,
-  victims, the pool layout, the move probe.
-- :mod:`.profiling`: the profiled iteration to a trace, the hardware model, the plan
-  and its prediction, the minimum-working-set check.
+- :mod:`.follow`: ``Follower``, the component that follows a plan op by op (the moves
+  after each op, planned prefetches waiting for room); the ``PlanFollowing`` mixin: the
+  plan's move table and pool layout, victims for the pager, the move probe.
+- :mod:`.profiling`: the profiled iteration to a trace, the plan and its prediction,
+  the minimum-working-set check. Components it asks: :mod:`.profile_record`
+  (``ProfileRecord``: the profiled iteration's ops, their times, what the loop held),
+  :mod:`.profile_schedule` (``ProfileSchedule``: whether the next iteration is
+  profiled, and why), :mod:`.machine_model` (``MachineModel``: the hardware plans are
+  made for, from what is measured here).
+- :mod:`.step_clock`: the steps' times (``StepClock``) and whether
+  ``optimizer.step()`` is running (``StepNesting``).
 - :mod:`.opfacts`: the profiled ops' module scopes (a scope tracker active for the
   profiled iteration only) and ``rng``/``pure`` flags, as capture records them.
 - :mod:`.optim_chunks`: the user's optimizer step run in parameter chunks that fit the
-  budget (foreach and fused optimizers).
-- :mod:`.recompute`, :mod:`.host_step`: executing the plan's recompute chains and
-  host-side optimizer steps.
+  budget (foreach and fused optimizers), leaving out what host steps update.
+- :mod:`.recompute`: the plan's recompute chains executed (``Recomputer``, one per
+  plan: drops, records, replays).
+- :mod:`.host_step`: the plan's host-side optimizer steps (still a mixin: it works
+  through the storage records and the mover as ``Run`` methods).
 - :mod:`.tiers` (host pool, SSD file), :mod:`.streams` (the copy layer),
   :mod:`.stats` (``RunStats``), :mod:`.distributed` (ranks planning together),
   :mod:`.plans` (the round-trip test plan), :mod:`.training` (``tierflow train`` and the

@@ -53,7 +53,6 @@ import math
 import os
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,21 +69,25 @@ from ..trace import Trace
 from .backend import backend_for, sized_by
 from .collectives import InFlight
 from .errors import OffloadError, SSDError
-from .follow import PlanFollowing
+from .follow import Follower, PlanFollowing
 from .homecoming import bring_home
+from .host_costs import measure_host_costs
 from .host_step import HostSteps
-from .kernel_times import KernelTimer, mark
+from .kernel_times import mark
 from .ledger import DeviceLedger
+from .machine_model import MachineModel
 from .moves import HomeTier, Mover, Moves
 from .opfacts import OpFacts
 from .optim_chunks import ChunkedStep
 from .outside import CheckpointGuard, OutsideWork
+from .profile_record import ProfileRecord
+from .profile_schedule import ProfileSchedule
 from .profiling import Profiling
-from .recompute import Recomputing, rng_states
+from .recompute import Recomputer, rng_states
 from .retime import Retimer
 from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
 from .stats import RunStats
-from .step_clock import StepClock
+from .step_clock import StepClock, StepNesting
 from .storages import (
     _PLAIN,
     RESIDENT,
@@ -204,7 +207,7 @@ class _Mode(TorchDispatchMode):
     __torch_dispatch__ = _dispatch
 
 
-class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profiling):
+class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
     """The context manager :func:`offload` returns; ``run.stats`` reports what happened.
 
     See :func:`offload` for the arguments.
@@ -235,7 +238,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._plans = PlanCache(max_plans)
         except ValueError as e:
             raise OffloadError(f"offload: {e}") from None
-        self._plan_why = "first"  # why the next profile is made (stats.plans_by_reason)
+        # when the next iteration is profiled, and why (runtime/profile_schedule.py)
+        self._schedule = ProfileSchedule()
         self._pager_iteration = False  # this iteration runs on the pager, unplanned (signatures)
         self._dominated = False  # this iteration follows a larger signature's plan (signatures)
 
@@ -261,13 +265,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._ssd_dir = ssd_dir
         self._hardware_arg = hardware
         self._host_bytes, self._ssd_bytes = host_bytes, ssd_bytes
-        self._move_s: float | None = None  # CPU mode: one move's cost, measured once (follow._probe_move_s)
         self._io_workers = io_workers
         self._sync_ranks = sync_ranks
         self._host_overlap = host_step_overlap  # [host steps] start updates in backward
         self._host_steps = host_steps  # [host steps] may the planner choose them (see _plan_hardware)
         self._sync: Any = None  # a distributed.RankSync while the block is open, with >1 ranks
-        self._copy_bw: float | None = None  # agreed by the ranks before planning
         self.stats = RunStats(budget_bytes=self.budget)
         self.trace: Trace | None = None
         self.prediction: Any = None  # SimResult of the plan being followed
@@ -293,8 +295,6 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self.stats.blocking_waits = self._tiers.copier.waits  # (the same dict: counted as they happen)
         # (the tiers' queue of slots waiting for their copies, read on every op: an alias)
         self._frees = self._tiers.frees
-        self._pending: deque[_Entry] = deque()  # planned prefetches waiting for room (follow.py's)
-        self._dead_held: deque[_Entry] = deque()  # following: gradients past their last use, resident (follow.py's)
         self._ledger = DeviceLedger()  # accounted device bytes, copies out in flight, the peak (runtime/ledger.py)
         self._dev_attr = "is_cuda" if self.device.type == "cuda" else "is_cpu"
         # the storage records: one component owns them (runtime/storages.py). Its
@@ -307,14 +307,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._foreign, self._iter_entries, self._iter_tid = table.foreign, table.iter_entries, table.iter_tid
         self._freed_at = table.freed_at  # profiling: trace id -> last op its storage was alive
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
-        self._held: list[_Entry] = []  # profiling: what the loop held when the iteration began
-        self._from_profile = False  # the next planned iteration is the first after a profile
         self._external_tids: frozenset[int] = frozenset()  # the plan's trace: external tensors
         self._held_baseline = 0  # bytes the loop held when the plan's iteration was profiled
         self._held_reserve = 0  # of those, bytes the trace does not have: kept free by the plan
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
-        self._kernel_timer: KernelTimer | None = None  # CUDA: the profiled iteration's profiler (kernel_times)
-        self._op_kernel_s: list[float] = []  # CUDA: each recorded op's kernel time, from it
+        # the profiled iteration's ops, their times, what the loop held (runtime/profile_record.py)
+        self._recorder = ProfileRecord(self.device)
         self._hooks_off = False  # our saved-tensor hooks are off the stack (a followed iteration)
         self._quiet = False
         self._untracked = 0
@@ -322,7 +320,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._outside_ran = False  # an op ran between iterations (see _begin)
         self._fast = False
         self._recording = self._planned = self._hinted = False
-        self._need_profile = True
+        self._schedule.profile()  # (the first iteration the block runs is profiled)
         self._iters_begun = 0
         # collectives in flight and what they pin (runtime/collectives.py); the list is
         # read on every op: an alias of the component's, never reassigned
@@ -334,16 +332,27 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._mover = Mover(self._tiers, self._ledger, self._storages, self._collectives, self.stats,
                             HomeTier(evict=self._host_evict, wait=self._host_wait, read=self._host_read))
         self._writes = self._mover.writes
+        # following the plan op by op: the follower (runtime/follow.py); its queue of
+        # prefetches waiting for room, read on every op: an alias, never reassigned
+        self._follower = Follower(self._storages, self._mover, self._ledger, self.stats, room=lambda: self.budget,
+                                  make_room=self._make_room, evict_beyond_plan=self._evict_beyond_plan,
+                                  retire_leaving=self._retire_leaving)
+        self._pending = self._follower.pending
         self._mover.tiers_sized()  # (stats.host_pool_bytes, ssd_file_bytes, pinned_bytes, ssd_bounce_bytes)
         from .distributed import RankSync, world
 
         self.stats.rank, self.stats.world_size = world()
         if self._sync_ranks and self.stats.world_size > 1:
             self._sync = RankSync()
+        # the machine plans are made for, from what is measured here (runtime/machine_model.py)
+        # NOTE: measure_host_costs runs the run's own lean path on scratch tensors: it
+        # needs the run, so the model gets it as a callable
+        self._machine = MachineModel(self.device, self.stats, preset=self._hardware_arg, sync=self._sync,
+                                     tier_limits=self._tier_limits, has_ssd=self._tiers.ssd is not None,
+                                     probe_move_s=self._probe_move_s, measure_costs=lambda: measure_host_costs(self))
         self._max_out = 0
         self._clock = StepClock(self.device, self.stats)
-        self._in_step = False
-        self._step_depth = 0  # optimizer.step() wrappers entered (a subclass calling super().step() nests two)
+        self._step_nesting = StepNesting()  # is optimizer.step() running (runtime/step_clock.py)
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         for n, p in self.model.named_parameters():
             table.label(table.entry(p), "parameter", f"param:{n}", n)
@@ -354,17 +363,19 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         for n, p in self.model.named_parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(n)))
-        self._dropped_in: dict[int, int] = {}  # recompute: dropped storage -> its chain
+        # the plan's recompute chains (runtime/recompute.py): one per plan, none yet
+        self._recomputer = Recomputer(self._storages, self._ledger, self._tiers.copier, self.stats, self.device,
+                                      make_room=self._make_room, ensure_resident=self._ensure_resident)
 
-        self._chunker: ChunkedStep | None = None
+        # the optimizer's step in chunks (runtime/optim_chunks.py): installed for
+        # foreach/fused groups, stepped in chunks that fit the budget, and by host steps
+        self._chunker = ChunkedStep(self.optimizer, cuda=self._cuda) if self.optimizer is not None else None
         self._host_init()  # [host steps] (runtime/host_step.py)
         if self.optimizer is not None:
-            chunker = ChunkedStep(self.optimizer, cuda=self.device.type == "cuda")
-            if chunker.wanted:  # foreach/fused groups: stepped in chunks that fit the budget
-                chunker.install()
+            if self._chunker.wanted:
+                self._chunker.install()
                 if math.isfinite(self.budget):
-                    chunker.cap = chunker.cap_for(self.budget)
-                self._chunker = chunker
+                    self._chunker.fit(self.budget)
             self._hooks.append(self.optimizer.register_step_pre_hook(self._on_step_pre))
             self._hooks.append(self.optimizer.register_step_post_hook(self._on_step_post))
         if self.device.type == "cuda":
@@ -395,9 +406,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._hook.close()
             self._opfacts.end_scopes()  # (a profiled iteration cut short: its scope tracker's hooks)
             self._opfacts.end_ticks()  # (and its tick log's)
-            if self._kernel_timer is not None:  # (and its profiler)
-                self._kernel_timer.close()
-                self._kernel_timer = None
+            self._recorder.close()  # (and its kernel timer)
             self._hooks_on()
             self._saved.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
@@ -409,7 +418,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._chunker.uninstall()
             # the model and optimizer whole again after the block: on the device where
             # they fit, else on the host (runtime/homecoming.py)
-            self.stats.state_after_block = bring_home(self, errors)
+            self.stats.state_after_block = bring_home(self.model, self.optimizer, self.device, storages=self._storages,
+                                                      mover=self._mover, ledger=self._ledger, errors=errors)
             self._mover.drain_writes(raise_errors=False)
             self._tiers.copier.drain()
             self._mover.reap()
@@ -443,7 +453,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if not self._in_iter:
             self._quiet = True
             try:
-                if self.plan is not None and not self._need_profile:
+                if self.plan is not None and not self._schedule.need_profile:
                     self._check_held()  # the loop holds more than when profiled: profile again
                 self._choose_plan(signature_of(args, kwargs or {}, module.training))
                 self._begin()
@@ -463,7 +473,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         cache, st = self._plans, self.stats
         self._pager_iteration = self._dominated = False
         if self.plan is None or cache.current is None:  # (no plan yet: the first profile)
-            cache.current = sig
+            cache.switch(sig)
             return
         if sig == cache.current:
             return
@@ -471,16 +481,13 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             # NOTE: ranks plan together (runtime/distributed.py): one rank following a
             # cached plan while another profiles would leave the other waiting in the
             # planning collectives. Under several ranks a new signature is profiled again.
-            cache.plans.clear()
-            cache.current = sig
-            self._need_profile, self._plan_why = True, "new signature"
+            cache.restart(sig)
+            self._schedule.profile("new signature")
             return
-        if self._need_profile:  # the current signature's plan departed: not to be followed again
-            cache.plans.pop(cache.current, None)
+        if self._schedule.need_profile:  # the current signature's plan departed: not to be followed again
+            cache.discard_current()
         elif cache.current in cache.plans:  # (its retimed trace and figures, as they are now)
-            kept = cache.plans[cache.current]
-            now = snapshot(self)
-            kept.state, kept.stats = now.state, now.stats
+            cache.refresh_current(snapshot(self))
         decision = cache.decide(sig)
         if isinstance(decision, tuple):  # ("dominated", the larger signature whose plan it follows)
             decision, sig = decision
@@ -495,16 +502,15 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._adopt_host_steps(self.trace, self.plan)
             if not self._dominated:
                 cache.followed(sig)
-            cache.current = sig
-            self._need_profile = False
-            self._from_profile = True  # (its start state: what it wants on the device, and away)
+            cache.switch(sig)
+            self._schedule.follow_cached()  # (its start state: what it wants on the device, and away)
             st.signature_hits += not self._dominated
         elif decision == "profile":
-            cache.current = sig
-            self._need_profile, self._plan_why = True, "new signature"
+            cache.switch(sig)
+            self._schedule.profile("new signature")
         else:  # a first sighting while the cache churns: the pager keeps the budget
             self._pager_iteration = True
-            self._from_profile = True  # (the next planned iteration restores its start state)
+            self._schedule.after_pager()  # (the next planned iteration restores its start state)
             st.reactive_signature_steps += 1
 
     def _plan_for_signature(self, trace: Trace) -> bool:
@@ -514,13 +520,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         host-step plan holds the optimizer state on the host, and each switch between it
         and another plan moved all of it back and forth (a 3-length bucketing loop: its
         host-step bucket's steps 2.2x those of the same length alone)."""
-        knob = self._host_steps
-        if knob is None and self._plan_why == "new signature" and self._policy_arg == "tierflow":
-            self._host_steps = False
-        try:
-            planned = self._make_plan(trace)
-        finally:
-            self._host_steps = knob
+        others = self._schedule.why == "new signature"  # (other signatures' plans are cached)
+        planned = self._make_plan(trace, own_host_steps=not others)
         if planned:
             self._plan_made()
         return planned
@@ -528,8 +529,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
     def _plan_made(self) -> None:
         """A plan was just made for the current signature: count why, and cache it."""
         st, cache = self.stats, self._plans
-        st.plans_by_reason[self._plan_why] = st.plans_by_reason.get(self._plan_why, 0) + 1
-        self._plan_why = "departure"  # (the next profile of this signature, unless said otherwise)
+        why = self._schedule.plan_made()  # (the next profile of this signature: "departure", unless said otherwise)
+        st.plans_by_reason[why] = st.plans_by_reason.get(why, 0) + 1
         if self.plan is not None and cache.current is not None:
             cache.store(cache.current, snapshot(self))
         st.signatures_cached, st.signatures_evicted = len(cache.plans), cache.evicted
@@ -546,11 +547,11 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._outside_ran:
             self._fold_outside_peak()
         self._in_iter = True
-        self._step_depth = 0  # (a step that raised left its count behind)
+        self._step_nesting.reset()  # (a step that raised left its count behind)
         self._op = 0
-        self._begin_following()  # (no gradient held past its last use yet)
+        self._follower.begin_iteration()  # (no gradient held past its last use yet)
         self._first_in: set[int] = set()  # profiling: trace ids first seen as an op's input
-        self._recording = (self._need_profile or self.plan is None) and not self._pager_iteration
+        self._recording = (self._schedule.need_profile or self.plan is None) and not self._pager_iteration
         following = not self._recording and self.plan is not None and not self._pager_iteration
         self._planned = following and not self.plan.reactive
         self._hinted = following and self.plan.reactive
@@ -575,30 +576,23 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if getattr(self.model, "_has_rebuilt_buckets", None) is False and self._iters_begun < 2:
             self._warmup = True
         self._iters_begun += 1
-        if self._kernel_timer is not None:  # (a profiled iteration that never ended)
-            self._kernel_timer.close()
         # CUDA: the profiled iteration's op times are its kernels' (kernel_times), if the
         # torch profiler can run here; the events around each op stay as the fallback
-        self._kernel_timer = KernelTimer.start() if self._recording and self._times_kernels() and not self._warmup else None
-        self._rec: list[tuple[str, str, float, list[int], list[int]]] = []
-        self._op_events: list[tuple[Any, Any]] = []  # CUDA: (start, end) per recorded op
-        self._hook_ops: list[int] = []  # recorded ops our saved-tensor hooks caused (see _unpack)
-        self._sigs: list[tuple] = []
+        self._recorder.begin(self._recording, self._times_kernels() and not self._warmup)
         if self._recording:  # ops' scopes and flags, for the trace (see opfacts)
             self._opfacts.begin_scopes(self.model)
         # (profiling: the ticks a hook-driven follower could act at, runtime/segments.py)
         self._opfacts.begin_ticks(self.model, self._recording, self._recorded_ops)
         if self._planned:
-            self._leave_start_away()  # (persistent tensors the plan starts the iteration without)
+            self._follower.leave_start_away(self._start_away)  # (persistent tensors the plan starts the iteration without)
             # (after a profile, or after ops between iterations moved what the plan
             # starts with: validation, a state dict; runtime/outside.py)
-            if self._from_profile or self._outside_ran:
-                self._from_profile = False
-                self._enter_start_state()
+            if self._schedule.take_start_state() or self._outside_ran:
+                self._follower.enter_start_state(self._start_away)
         self._outside_ran = False
         self._mover.reap()  # (storages that died since, e.g. state moved to the host, are not counted)
         if self._recording:
-            self._held = self._held_entries()
+            self._recorder.hold(self._held_entries())
         self._ledger.start_peak()
         self._budgeted = math.isfinite(self.budget)
         self._clock.start()
@@ -622,7 +616,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         self._in_iter = False
         self._storages.end_iteration()
         self._fast = False
-        self._in_step = False
+        self._step_nesting.ended()
         if self._foreign:
             self.stats.foreign_storages = sum(1 for e in self._foreign.values() if e.ref() is not None)
         st = self.stats
@@ -648,7 +642,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 self._quiet = False
             if some and not every:
                 want = False
-                self._need_profile = True
+                self._schedule.profile()
         if self._recording:
             st.profiled_steps += 1
             self._quiet = True  # planning allocates (a bandwidth probe): not the user's ops
@@ -664,7 +658,8 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                             f" from the same trace with policy {self.stats.policy!r}: the policy is not a pure "
                             "function of the trace and hardware (a wall-clock limit?); pass sync_ranks=False "
                             "to let each rank follow its own plan")
-                    self._need_profile = not planned
+                    if not planned:
+                        self._schedule.not_planned()
             finally:
                 self._quiet = False
         elif (self._planned or self._hinted) and not self._stale:
@@ -680,12 +675,12 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             if retimed is not None:
                 self._adopt_retimed(retimed)
         if self._stale and not self._dominated:  # (a dominated iteration's departure says nothing of its plan)
-            self._need_profile = True
+            self._schedule.profile()
         self._storages.forget_iteration()
         # (from here: the peak of the ops between iterations, _fold_outside_peak; not what
         # the iteration left, above a share budget after the unconstrained profile)
         self._ledger.clear_peak()
-        self._reset_chains()  # (what a chain holds is released with the iteration)
+        self._recomputer.reset()  # (what a chain holds is released with the iteration)
 
     def _handle(self, func, args, kwargs, types=()):
         if not self._in_iter:  # (an op between iterations: the plan's start state is restored at _begin)
@@ -697,7 +692,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._dead or self._frees or self._writes or self._inflight:
             self._mover.reap()
         if self._pending:
-            self._issue_pending()
+            self._follower.issue_pending(self._hinted)
         tensors = _leaves(args) + (_leaves(list(kwargs.values())) if kwargs else [])
         if types:  # tensor subclasses (DTensor): the plain tensors inside hold the bytes; the
             # subclass runs its own ops on them below this mode, unseen, so they are made
@@ -752,7 +747,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if timed and self._cuda:  # the op's GPU time: events around it, read at the trace
             ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev0.record()
-            with mark(self._kernel_timer, len(self._rec)):  # (this op's index once recorded)
+            with mark(self._recorder.timer, len(self._recorder)):  # (this op's index once recorded)
                 out = func(*args, **kwargs)
             ev1.record()
             dur = 0.0
@@ -785,28 +780,27 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
             self._max_out = max(self._max_out, new_bytes)
             if self._recording:
                 phase = "backward" if torch._C._current_graph_task_id() != -1 else self._phase()
-                self._rec.append((name, phase, dur, list(dict.fromkeys(in_ids)), list(dict.fromkeys(out_ids))))
+                j = self._recorder.add(func, name, phase, dur, in_ids, out_ids, [e.nbytes for e in ins],
+                                     [e.nbytes for e in outs], (ev0, ev1) if self._cuda else None)
                 if self._cuda:
-                    self._op_events.append((ev0, ev1))
                     # device memory in use that no tracked storage explains (library
                     # workspaces, the allocator's rounding, the user's other tensors)
                     seen = self._untracked_now()
                     if seen > self._untracked_seen:
                         self._untracked_seen = seen
-                self._opfacts.note(len(self._rec) - 1, scope, func, args, kwargs, self._written_tid)
-                self._sigs.append((func, in_ids, out_ids, [e.nbytes for e in ins], [e.nbytes for e in outs]))
+                self._opfacts.note(j, scope, func, args, kwargs, self._written_tid)
                 if unpacked is not None and func is _DETACH and _storage_id_of(args[0], types) == unpacked:
-                    self._hook_ops.append(len(self._rec) - 1)  # autograd's, after our unpack hook
+                    self._recorder.add_hook_op(j)  # autograd's, after our unpack hook
         table.note_peak()
         if in_iter:
             if following and not self._stale:
-                self._fire(i, hints=self._hinted)
+                self._follower.fire(self._actions, i, self._hinted)
             self._op = self._next_op[i] if following else self._op + 1  # [host steps] past host ops
         return out
 
     def _recorded_ops(self) -> int:
         """Ops recorded so far in the profiled iteration (where a tick falls)."""
-        return len(self._rec)
+        return len(self._recorder)
 
     def _written_tid(self, t: Any) -> int | None:
         """The trace id of a tensor an op just wrote (None: off the device, no storage)."""
@@ -918,7 +912,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if self._frees or self._writes or self._inflight:
             self._mover.reap()
         if self._pending:
-            self._issue_pending()
+            self._follower.issue_pending(self._hinted)
         # NOTE: the loops below are written out, not shared helpers: they run for every
         # op, and in CPython a call and a list per op cost as much as the work itself
         ins = []
@@ -944,8 +938,10 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if binds is not None and not self._bind(i, binds, ins):
             return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
         # (levers: this op re-makes, records for, or drops a chain)
-        if levers and self._remakes[i]:  # recompute chains due before this op
-            self._remake_before(i)
+        if levers:  # (this op re-makes, records for, or drops a chain: runtime/recompute.py)
+            rc = self._recomputer
+            if rc.remakes[i]:  # recompute chains due before this op
+                rc.remake_before(i)
             fix = True  # (a chain's replay may have moved an input)
             # (and has re-made the dropped ones: no room to make for them again)
             away = sum(e.nbytes for e in ins if e.state is not RESIDENT)
@@ -959,7 +955,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                     self._ensure_resident(e)
                 if e.pins:
                     e.touched = True
-        chains = self._chain_ops[i] if levers else ()
+        chains = rc.chain_ops[i] if levers else ()
         states = rng_states(self.device) if chains and torch.Tag.nondeterministic_seeded in func.tags else None
         # (the first followed iterations time each op: see retime)
         out = self._retimer.call(i, func, args, kwargs) if self._timing else func(*args, **kwargs)
@@ -1008,9 +1004,9 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if levers and not self._stale:
             t0 = time.perf_counter() if self._timing else 0.0
             if chains:
-                self._record(i, func, args, kwargs, out, states)
-            if self._drops[i]:
-                self._drop(i)
+                rc.record(i, func, args, kwargs, out, states)
+            if rc.drops[i]:
+                rc.drop(i)
             if self._timing:  # (what recompute costs forward: see retime)
                 self._retimer.add_record_s(time.perf_counter() - t0)
         if self._hinted:  # a reactive plan's pager evicts least recently used first
@@ -1019,7 +1015,7 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
         if ledger.used > ledger.peak:
             table.note_peak()
         if moves and not self._stale:
-            self._fire(i, hints=self._hinted)
+            self._follower.fire(self._actions, i, self._hinted)
         self._op = next_op  # [host steps] (i + 1, past ops the host runs)
         return out
 
@@ -1040,8 +1036,13 @@ class Run(StorageTracking, Moves, PlanFollowing, Recomputing, HostSteps, Profili
                 grown += table.resized(e)
         return grown
 
+    @property
+    def _in_step(self) -> bool:
+        """Whether ``optimizer.step()`` is running (its nesting: ``StepNesting``)."""
+        return self._step_nesting.in_step
+
     def _phase(self) -> str:
-        return "optimizer" if getattr(self, "_in_step", False) else "forward"
+        return "optimizer" if self._step_nesting.in_step else "forward"
 
     def _times_kernels(self) -> bool:
         """Whether a profiled iteration times its ops by their kernels (CUDA)."""

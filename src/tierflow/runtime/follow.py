@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_right
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,19 +49,56 @@ def _next_uses(uses: list[list[int]], n_ops: int, tids: list[int], persistent: l
     return out
 
 
-class PlanFollowing:
-    """The plan follower (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+class Follower:
+    """The plan follower: issues a plan's moves "after op ``k``" from its per-op table,
+    queues planned prefetches until they fit the budget (as simulated), evicts gradients
+    held past their last use when a prefetch needs their room, and counts how an
+    iteration departed from its plan. The one writer of its queues (``pending``,
+    ``dead_held``) and of ``RunStats.planned_moves``, ``skipped_moves`` and
+    ``departures``.
 
-    def _fire(self, op: int, hints: bool = False, budget: float | None = None) -> None:
-        """Issue the plan's moves "after op ``op``" (from the per-op table
-        :meth:`_move_table` built when the plan was made). ``budget``: the room planned
-        prefetches wait for, where not the run's (the move probe's: unbounded)."""
-        entries, by_key, stats = self._iter_entries, self._by_key, self.stats
-        for evict, tid, key, tier, slot in self._actions[op]:
+    The per-op table is the plan's (``Run._actions``, made by
+    :meth:`PlanFollowing._move_table` and swapped with the rest of the plan by the plan
+    cache): it is an argument of :meth:`fire`, not the follower's state.
+
+    Args:
+        storages: the storage records (``StorageTable``): tensors are found by key or by
+            the trace id they were bound to.
+        mover: the back-end's ``Mover`` (evictions and prefetches).
+        ledger: the device bytes accounted (``DeviceLedger``).
+        stats: the run's counters (``RunStats``).
+        room: the budget now (it is set when a share budget is resolved at the first plan).
+        make_room: the pager: evict until ``need`` more bytes fit (a reactive plan's
+            prefetch hint makes room, like a fault).
+        evict_beyond_plan: evict one storage the plan did not say to (counted).
+        retire_leaving: stop counting copies out that have landed.
+
+    NOTE: ``make_room``, ``evict_beyond_plan`` and ``retire_leaving`` are the eager
+    front-end's pager (``Moves``), handed in as callables: it picks victims by the
+    plan's next use, from the executor's iteration state. (Driven on its own, with a
+    mover and a storage table and no model: tests/test_runtime_follower.py.)
+    """
+
+    def __init__(self, storages: Any, mover: Any, ledger: Any, stats: Any, *, room: Callable[[], float],
+                 make_room: Callable[[int, list], None], evict_beyond_plan: Callable[[_Entry], bool],
+                 retire_leaving: Callable[..., None]) -> None:
+        self._storages, self._mover, self._ledger, self._stats = storages, mover, ledger, stats
+        self._room, self._make_room = room, make_room
+        self._evict_beyond_plan, self._retire_leaving = evict_beyond_plan, retire_leaving
+        self.pending: deque[_Entry] = deque()  # planned prefetches waiting for room
+        self.dead_held: deque[_Entry] = deque()  # gradients past their last use, still resident
+
+    def fire(self, actions: list[tuple], op: int, hints: bool = False, budget: float | None = None) -> None:
+        """Issue the moves "after op ``op``" of the plan's per-op table ``actions`` (see
+        :meth:`PlanFollowing._move_table`); ``hints``: a reactive plan's, prefetches that
+        make room. ``budget``: the room planned prefetches wait for, where not the run's
+        (the move probe's: unbounded)."""
+        entries, by_key, stats = self._storages.iter_entries, self._storages.by_key, self._stats
+        for evict, tid, key, tier, slot in actions[op]:
             if evict is None:  # a gradient past its last use, held until zero_grad (see _move_table)
                 e = entries[tid]
                 if e is not None and e.state is RESIDENT and e.ref() is not None:
-                    self._dead_held.append(e)
+                    self.dead_held.append(e)
                 continue
             e = by_key.get(key) if key is not None else entries[tid]
             # (a temporary the plan moves is found by the trace id it was bound to: made by
@@ -68,41 +107,122 @@ class PlanFollowing:
                     e.kind not in OWNED and not (key is None and e.kind == "temporary")):
                 stats.skipped_moves += 1
                 if not hints:
-                    self._depart("skipped move: a tensor the runtime did not find or cannot move"
+                    self.depart("skipped move: a tensor the runtime did not find or cannot move"
                                  if e is None or e.ref() is None else f"skipped move: a {e.kind} it cannot move")
                 continue
             if evict:
                 done = self._mover.evict(e, tier, slot)
-            elif e.state is RESIDENT or e in self._pending:
+            elif e.state is RESIDENT or e in self.pending:
                 done = False
-            elif hints and self._ledger.used + e.nbytes <= (self.budget if budget is None else budget):
+            elif hints and self._ledger.used + e.nbytes <= (self._room() if budget is None else budget):
                 done = self._mover.prefetch(e)
             elif hints:
                 # NOTE: a UVM-style prefetch hint makes room, like a fault, but not yet:
                 # what op ``op`` read for the last time is freed only after it returns
                 # (autograd releases a node's inputs after its kernel), so room made now
                 # would evict what the plan keeps. It waits for the next op's start.
-                self._pending.append(e)
+                self.pending.append(e)
                 continue
             else:  # a planned prefetch never evicts: it waits for room (as simulated)
-                self._pending.append(e)
+                self.pending.append(e)
                 continue
             if done:
                 stats.planned_moves += 1
             else:
                 stats.skipped_moves += 1
                 if not hints:
-                    self._depart("skipped move: already where the plan sends it" if not evict or e.state != RESIDENT
+                    self.depart("skipped move: already where the plan sends it" if not evict or e.state != RESIDENT
                                  else "skipped move: eviction refused (pinned by a collective, or resized)")
-        if self._pending and not hints:
-            self._issue_pending(budget)
+        if self.pending and not hints:
+            self.issue_pending(False, budget)
+
+    def issue_pending(self, hints: bool, budget: float | None = None) -> None:
+        """Start queued prefetches, in order: a planned one when it fits the budget, a
+        reactive plan's hint (``hints``) at the first op after the one it follows (making
+        room). ``budget``: the room to wait for, where not the run's (see :meth:`fire`)."""
+        ledger = self._ledger
+        room = self._room() if budget is None else budget
+        while self.pending:
+            e = self.pending[0]
+            if e.ref() is None or e.state != AWAY:
+                self.pending.popleft()
+                continue
+            if ledger.used + e.nbytes > room and ledger.leaving:
+                self._retire_leaving()  # (copies out that landed since give their room)
+            if ledger.used + e.nbytes > room and self.dead_held and not hints:
+                self.evict_dead_held(e.nbytes)
+            if ledger.used + e.nbytes > room:
+                if not hints:
+                    return  # a planned prefetch waits for room (as simulated)
+                self._make_room(e.nbytes, [])  # a hint makes room, like a fault
+            self.pending.popleft()
+            if self._mover.prefetch(e):
+                self._stats.planned_moves += 1
+
+    def evict_dead_held(self, need: int) -> None:
+        """Evict gradients past their last use (oldest first) until ``need`` more bytes
+        fit the budget: memory the plan counted free."""
+        held, ledger = self.dead_held, self._ledger
+        while held and ledger.used - ledger.leaving_bytes + need > self._room():
+            e = held.popleft()
+            if e.ref() is not None and e.state is RESIDENT and self._evict_beyond_plan(e):
+                self.depart("eviction: a gradient held past its last use, for a planned prefetch")
+        if ledger.leaving:
+            self._retire_leaving(need)
+
+    def depart(self, reason: str) -> None:
+        """Count one way a planned iteration departed from its plan (``stats.departures``)."""
+        d = self._stats.departures
+        d[reason] = d.get(reason, 0) + 1
+
+    def leave_start_away(self, start_away: dict[str, str]) -> None:
+        """A planned iteration begins: the persistent tensors its plan starts without
+        (``start_away``: key -> runtime tier) leave the device (where they are still on it)."""
+        for key, tier in start_away.items():
+            e = self._storages.by_key.get(key)
+            if e is not None and e.state == RESIDENT and self._mover.evict(e, tier):
+                self._stats.planned_moves += 1
+
+    def enter_start_state(self, start_away: dict[str, str]) -> None:
+        """Before the first planned iteration after a profile: bring back the parameters
+        and optimizer state the plan has on the device when an iteration starts. The
+        profiled iteration's pager left its own residency (least recently used evicted),
+        while the plan, as simulated, starts from its steady state; unaligned, the first
+        planned iteration fetched them on demand one op at a time (unet-mini at 50%:
+        about 20 on-demand fetches in its first forward)."""
+        away = start_away
+        for key, e in self._storages.by_key.items():
+            if e.state != AWAY or key in away or e.tier == "home" or e.ref() is None:
+                continue
+            if self._ledger.used + e.nbytes > self._room():
+                break  # (what does not fit comes back when used)
+            if self._mover.prefetch(e):
+                self._stats.planned_moves += 1
+
+    def begin_iteration(self) -> None:
+        """An iteration begins: no gradient is held past its last use yet."""
+        self.dead_held.clear()
+
+    def forget_pending(self) -> None:
+        """A new plan: prefetches the previous one queued are forgotten."""
+        self.pending.clear()
+
+class PlanFollowing:
+    """The plan's tables and the tiers' layout for it, made at planning, and the move
+    probe (a mixin of :class:`~tierflow.runtime.executor.Run`); following the plan op by
+    op is :class:`Follower`'s (``self._follower``)."""
+
+    def _depart(self, reason: str) -> None:
+        """:meth:`Follower.depart` (for the mixins that reach it through ``self``)."""
+        self._follower.depart(reason)
+
 
     def _probe_move_s(self, rounds: int = 16, nbytes: int = 4096, tensors: int = 4) -> float:
         """Seconds of this thread one planned move costs, measured: ``rounds`` times,
         ``tensors`` scratch storages of ``nbytes`` are evicted and prefetched back through
         the code a planned move takes on the lean path: the per-op move table fired after
-        an op (:meth:`_fire`), the pool slot, the copy, the resize, the bookkeeping, and
-        for a prefetch the queue of prefetches waiting for room (:meth:`_issue_pending`).
+        an op (:meth:`Follower.fire`), the pool slot, the copy, the resize, the bookkeeping, and
+        for a prefetch the queue of prefetches waiting for room (:meth:`Follower.issue_pending`).
         The CPU-mode hardware model charges it per transfer (``Hardware.move_issue_s``),
         so that the planner weighs many small moves against a few large ones. The run's
         stats, tables and queues are left as they were.
@@ -113,10 +233,12 @@ class PlanFollowing:
         planned move there adds more to the step (the move table's loop, the queue, the
         pager's unplanned work, caches the copies evict): BENCHMARKS.md, "CPU-mode
         prediction"."""
-        # (the follower's own tables and queue, borrowed and put back here; the trace ids
-        # are the storage table's to lend, the stats are put back whole)
-        had_table = hasattr(self, "_actions")
-        kept_actions, kept_pending = getattr(self, "_actions", None), list(self._pending)
+        # (a scratch follower of its own, with no budget: the run's queues and tables are
+        # not touched; the trace ids are the storage table's to lend, the stats are put
+        # back whole)
+        scratch = Follower(self._storages, self._mover, self._ledger, self.stats, room=lambda: math.inf,
+                           make_room=self._make_room, evict_beyond_plan=self._evict_beyond_plan,
+                           retire_leaving=self._retire_leaving)
         with left_as_it_was(self, ()):
             planned_before = self.stats.planned_moves
             with torch._C._DisableTorchDispatch():
@@ -128,19 +250,17 @@ class PlanFollowing:
                   for k, st in enumerate(sts)]
             # after op k: evict scratch tensor k; after op tensors + k: prefetch it (one move
             # an op, about what a planned iteration fires: 1.3 on gpt-tiny at 30%)
-            self._actions = ([((True, k, None, "host", None),) for k in range(tensors)]
-                             + [((False, k, None, "host", None),) for k in range(tensors)])
-            self._pending.clear()
-            fire, ops = self._fire, range(2 * tensors)
+            actions = ([((True, k, None, "host", None),) for k in range(tensors)]
+                       + [((False, k, None, "host", None),) for k in range(tensors)])
+            fire, ops = scratch.fire, range(2 * tensors)
             with self._storages.borrowed_ids(es):
                 try:
-                    # (below the dispatch mode, as a move made while an op is dispatched runs;
-                    # the probe's bytes are not the budget's: its prefetches never wait for room)
+                    # (below the dispatch mode, as a move made while an op is dispatched runs)
                     with torch._C._DisableTorchDispatch():
                         t0 = time.perf_counter()
                         for _ in range(rounds):
                             for op in ops:
-                                fire(op, False, math.inf)
+                                fire(actions, op)
                             self._mover.reap()
                         elapsed = time.perf_counter() - t0
                     moved = self.stats.planned_moves - planned_before
@@ -150,49 +270,15 @@ class PlanFollowing:
                             self._mover.fetch(e)
                         self._storages.left_device(e)  # (a fetched activation joins the LRU order: not a scratch one)
                     self._mover.reap(wait=True)
-                    if had_table:
-                        self._actions = kept_actions
-                    else:
-                        del self._actions
-                    self._pending.clear()
-                    self._pending.extend(kept_pending)
         if moved != 2 * rounds * tensors:
             return 0.0  # (a move was refused, the host pool full: nothing measured)
         return elapsed / moved
-
-    def _leave_start_away(self) -> None:
-        """A planned iteration begins: the persistent tensors its plan starts without
-        leave the device (where they are still on it)."""
-        for key, tier in self._start_away.items():
-            e = self._by_key.get(key)
-            if e is not None and e.state == RESIDENT and self._mover.evict(e, tier):
-                self.stats.planned_moves += 1
-
-    def _enter_start_state(self) -> None:
-        """Before the first planned iteration after a profile: bring back the parameters
-        and optimizer state the plan has on the device when an iteration starts. The
-        profiled iteration's pager left its own residency (least recently used evicted),
-        while the plan, as simulated, starts from its steady state; unaligned, the first
-        planned iteration fetched them on demand one op at a time (unet-mini at 50%:
-        about 20 on-demand fetches in its first forward)."""
-        away = self._start_away
-        for key, e in self._by_key.items():
-            if e.state != AWAY or key in away or e.tier == "home" or e.ref() is None:
-                continue
-            if self._ledger.used + e.nbytes > self.budget:
-                break  # (what does not fit comes back when used)
-            if self._mover.prefetch(e):
-                self.stats.planned_moves += 1
 
     def _set_move_table(self, trace: Trace, plan: Any) -> None:
         """The plan's moves become the ones fired after each op (:meth:`_move_table`);
         prefetches a previous plan queued are forgotten."""
         self._actions = self._move_table(trace, plan)
-        self._pending.clear()
-
-    def _begin_following(self) -> None:
-        """An iteration begins: no gradient is held past its last use yet."""
-        self._dead_held.clear()
+        self._follower.forget_pending()
 
     def _move_table(self, trace: Trace, plan: Any) -> list[tuple]:
         """Per op, the moves after it as ``(evict?, tensor id, key, runtime tier, planned
@@ -220,45 +306,6 @@ class PlanFollowing:
                     d = int(trace.death[t.id])
                     table[d] = tuple(table[d]) + ((None, t.id, None, None, None),)
         return table
-
-    def _issue_pending(self, budget: float | None = None) -> None:
-        """Start queued prefetches, in order: a planned one when it fits the budget, a
-        reactive plan's hint at the first op after the one it follows (making room).
-        ``budget``: the room to wait for, where not the run's (see :meth:`_fire`)."""
-        ledger = self._ledger
-        room = self.budget if budget is None else budget
-        while self._pending:
-            e = self._pending[0]
-            if e.ref() is None or e.state != AWAY:
-                self._pending.popleft()
-                continue
-            if ledger.used + e.nbytes > room and ledger.leaving:
-                self._retire_leaving()  # (copies out that landed since give their room)
-            if ledger.used + e.nbytes > room and self._dead_held and not self._hinted:
-                self._evict_dead_held(e.nbytes)
-            if ledger.used + e.nbytes > room:
-                if not self._hinted:
-                    return  # a planned prefetch waits for room (as simulated)
-                self._make_room(e.nbytes, [])  # a hint makes room, like a fault
-            self._pending.popleft()
-            if self._mover.prefetch(e):
-                self.stats.planned_moves += 1
-
-    def _depart(self, reason: str) -> None:
-        """Count one way a planned iteration departed from its plan (``stats.departures``)."""
-        d = self.stats.departures
-        d[reason] = d.get(reason, 0) + 1
-
-    def _evict_dead_held(self, need: int) -> None:
-        """Evict gradients past their last use (oldest first) until ``need`` more bytes
-        fit the budget: memory the plan counted free."""
-        held, ledger = self._dead_held, self._ledger
-        while held and ledger.used - ledger.leaving_bytes + need > self.budget:
-            e = held.popleft()
-            if e.ref() is not None and e.state is RESIDENT and self._evict_beyond_plan(e):
-                self._depart("eviction: a gradient held past its last use, for a planned prefetch")
-        if ledger.leaving:
-            self._retire_leaving(need)
 
     def _victims(self, pinned: set[int]) -> list[_Entry]:
         """Owned resident tensors in eviction order: following a plan, the one the trace

@@ -55,25 +55,38 @@ def device_free_bytes(device: torch.device) -> int:
         return 1 << 62
 
 
-def bring_home(run: Any, errors: list[str]) -> str:
-    """Give every storage of ``run`` that is away its bytes back (see the module
-    docstring); ``errors`` collects the tiers' I/O errors. Returns where the state went:
-    ``"device"`` or ``"host"``."""
-    away = [e for e in list(run._entries.values()) if _is_away(e)]
+def bring_home(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device, *,
+               storages: Any, mover: Any, ledger: Any, errors: list[str]) -> str:
+    """Give every storage the run tracks that is away its bytes back (see the module
+    docstring).
+
+    Args:
+        model, optimizer: the run's; their tensors are re-bound to CPU tensors where the
+            state does not fit the device.
+        device: the run's device.
+        storages: the run's ``StorageTable`` (which storages are away).
+        mover: the run's ``Mover`` (the fetches, and the copies to wait for).
+        ledger: the run's ``DeviceLedger`` (a storage re-homed on the host leaves it).
+        errors: collects the tiers' I/O errors (the state is brought home regardless).
+
+    Returns:
+        Where the state went: ``"device"`` or ``"host"``.
+    """
+    away = [e for e in list(storages.entries.values()) if _is_away(e)]
     need = sum(e.nbytes for e in away)
     if not away:
         return "device"
-    if need <= (1 - _MARGIN) * device_free_bytes(run.device):
+    if need <= (1 - _MARGIN) * device_free_bytes(device):
         try:
             for e in away:
                 try:
-                    run._mover.fetch(e)
+                    mover.fetch(e)
                 except TierflowError as err:
                     errors.append(str(err))
             return "device"
         except torch.OutOfMemoryError:
             pass  # (the free memory was misjudged: what is left goes to the host)
-    moved = _rehome_on_host(run, errors)
+    moved = _rehome_on_host(model, optimizer, device, storages, mover, ledger, errors)
     warnings.warn(
         f"tierflow.offload: the model and optimizer state away from the device at the end of the block "
         f"({fmt_bytes(need)}) does not fit the device's free memory: {fmt_bytes(moved)} of parameters, "
@@ -87,20 +100,20 @@ def _is_away(e: _Entry) -> bool:
     return e.state != RESIDENT and e.state is not DROPPED
 
 
-def _state_tensors(run: Any) -> Iterator[tuple[Any, Any, torch.Tensor]]:
+def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device
+                   ) -> Iterator[tuple[Any, Any, torch.Tensor]]:
     """(owner, slot, tensor) for every tensor of the model and optimizer: ``setattr``-like
     re-binding is ``_rebind(owner, slot, new)``."""
-    for p in run.model.parameters():
+    for p in model.parameters():
         yield p, "data", p
         if p.grad is not None:
             yield p, "grad", p.grad
-    for b in run.model.buffers():
+    for b in model.buffers():
         yield b, "data", b
-    opt = run.optimizer
-    if opt is not None:
-        for state in opt.state.values():
+    if optimizer is not None:
+        for state in optimizer.state.values():
             for k, v in list(state.items()):
-                if isinstance(v, torch.Tensor) and v.device.type == run.device.type:
+                if isinstance(v, torch.Tensor) and v.device.type == device.type:
                     yield state, k, v
 
 
@@ -113,24 +126,25 @@ def _rebind(owner: Any, slot: Any, new: torch.Tensor) -> None:
         owner.data = new
 
 
-def _rehome_on_host(run: Any, errors: list[str]) -> int:
-    """Every model and optimizer tensor on the run's device re-bound to a CPU copy,
-    one storage at a time (away ones fetched first); returns the bytes moved."""
+def _rehome_on_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
+                    storages: Any, mover: Any, ledger: Any, errors: list[str]) -> int:
+    """Every model and optimizer tensor on ``device`` re-bound to a CPU copy, one storage
+    at a time (away ones fetched first); returns the bytes moved."""
     host: dict[int, torch.UntypedStorage] = {}  # device storage id -> its CPU copy
     moved = 0
-    for owner, slot, t in list(_state_tensors(run)):
-        if t.device != run.device:
+    for owner, slot, t in list(_state_tensors(model, optimizer, device)):
+        if t.device != device:
             continue
         sid = _storage_id(t)
         if sid not in host:
-            e = run._entries.get(sid)
+            e = storages.entries.get(sid)
             if e is not None and _is_away(e):
                 try:
-                    run._mover.fetch(e)  # (one storage's bytes on the device at a time)
+                    mover.fetch(e)  # (one storage's bytes on the device at a time)
                 except TierflowError as err:
                     errors.append(str(err))
                     continue
-                run._tiers.copier.drain()
+                mover.drain_copies()
             st = t.untyped_storage()
             # (a copy also in CPU mode, where .cpu() would return the same storage)
             n = st.nbytes()
@@ -139,15 +153,15 @@ def _rehome_on_host(run: Any, errors: list[str]) -> int:
             moved += n
             if e is not None and e.resizable and not e.foreign:
                 st.resize_(0)  # (its bytes live on the host now: the next storage has the room)
-                run._ledger.remove(min(run._ledger.used, e.nbytes))
+                ledger.remove(min(ledger.used, e.nbytes))
         cpu = torch.empty(0, dtype=t.dtype).set_(host[sid], t.storage_offset(), t.size(), t.stride())
         _rebind(owner, slot, cpu)
     # what no model or optimizer tensor holds (a cut-short iteration's activations) comes
     # back to the device if it still can, else it dies with its graph
-    for e in list(run._entries.values()):
+    for e in list(storages.entries.values()):
         if _is_away(e):
             try:
-                run._mover.fetch(e)
+                mover.fetch(e)
             except (TierflowError, torch.OutOfMemoryError) as err:
                 errors.append(str(err))
     return moved

@@ -19,7 +19,7 @@ pager, as a departure always has), binds what the hook hands it (a saved activat
 its trace id by its ordinal, a gradient by its parameter; parameters and optimizer
 state are bound by key when the iteration starts), and when the tick starts a later
 segment: fires the plan's moves after each segment passed (the follower's move table,
-``_fire``) and makes the new segment's tensors resident (the compute stream waits for
+``Follower.fire``) and makes the new segment's tensors resident (the compute stream waits for
 their copies in, as before an op).
 
 Accounting. The storages a tick binds are counted from their tick (the pack hook runs
@@ -238,7 +238,7 @@ class HookFollower:
             run._mover.reap()
         for k in range(self.seg, min(seg, self.n_seg)):
             if run._has_moves[k]:
-                run._fire(k)
+                run._follower.fire(run._actions, k)
                 if run._stale:
                     return
         delta = int(self.unseen[min(seg, self.n_seg)]) - int(self.unseen[self.seg])
@@ -248,7 +248,7 @@ class HookFollower:
         if seg < self.n_seg and self.seg_tensors[seg]:
             self._arrive(seg)
         if run._pending:
-            run._issue_pending()
+            run._follower.issue_pending(run._hinted)
         if delta > 0:
             run._note_peak()
 

@@ -8,7 +8,7 @@ Why this is needed. The trace's op durations are what each op took, timed around
 op alone (CPU: the host's clock around the kernel call; CUDA: events on the stream).
 A followed iteration also pays, per op, the dispatch mode's entry and the lean path's
 bookkeeping (:meth:`~tierflow.runtime.executor.Run._follow_op`), and, per replayed
-recompute op, the replay's bookkeeping (:meth:`~tierflow.runtime.recompute.Recomputing._remake`).
+recompute op, the replay's bookkeeping (:meth:`~tierflow.runtime.recompute.Recomputer.remake`).
 On tiny ops that is most of the step: gpt-tiny's 498 ops take about 5.5 ms by the
 trace and 11 ms in a followed iteration with nothing planned.
 
@@ -84,7 +84,7 @@ def measure_host_costs(run: Any, *, ops: int = 48, rounds: int = 7, numel: int =
         numel: elements of the probe's tensors (small: the op's own time is not the point).
     """
     names = ("_optab", "_n_ops", "_op", "_fast", "_quiet", "_hinted", "_stale", "budget", "_op_labels",
-             "_chains", "_dropped_in")
+             "_recomputer")
     dev = run.device
     cuda = dev.type == "cuda"
     # (the tables of the plan being made, or none yet, are put back)
@@ -180,7 +180,7 @@ def _lean_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, n: int, rounds: int, 
 
 def _replay_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, chains: int, rounds: int, cuda: bool) -> float:
     """Per replayed op: ``chains`` scratch chains of two adds through the real replay
-    (:meth:`_remake`), less the adds' own time (CPU mode)."""
+    (``Recomputer.remake``), less the adds' own time (CPU mode)."""
     out_bytes = a.untyped_storage().nbytes()
     made = {id(a): _Made(0, 0)}  # (the second add reads the first's result)
     recipe = [_step(_ADD, (a, b), {}, lambda t: t, None, out_bytes),
@@ -189,14 +189,13 @@ def _replay_op_s(run: Any, a: torch.Tensor, b: torch.Tensor, chains: int, rounds
     costs = []
     for _ in range(rounds):
         own = 0.0 if cuda else _own_times(a, b, n)
-        run._chains = [_Chain((0, 1), (), 2, recipe=list(recipe)) for _c in range(chains)]
-        run._dropped_in = {}
+        rc = run._recomputer.with_chains([_Chain((0, 1), (), 2, recipe=list(recipe)) for _c in range(chains)])
         if cuda:
             torch.cuda.synchronize(a.device)
         with torch._C._DisableTorchDispatch():  # (a replay runs below the mode)
             t0 = time.perf_counter()
             for c in range(chains):
-                run._remake(c)
+                rc.remake(c)
             dt = time.perf_counter() - t0
         costs.append(dt - own)
     if cuda:

@@ -108,7 +108,6 @@ import torch
 from ..plan import Plan
 from ..trace import Trace
 from .errors import OffloadError
-from .optim_chunks import ChunkedStep
 from .storages import _PLAIN, AWAY, RESIDENT, _Entry, _plain, _u8, _written_args
 from .streams import Copier
 
@@ -278,6 +277,33 @@ def update_groups(trace: Trace) -> list[tuple[list[int], set[str]]]:
     return [(g, set().union(*(named[r] for r in {root_of[i] for i in g}))) for g in groups]
 
 
+def follow_past_host_ops(n_ops: int, host_ops: frozenset[int], actions: list) -> tuple[list[int], list]:
+    """The follower's op order and move table for a plan whose ops ``host_ops`` run on
+    the host: after each op, the next op the device runs (``Run._next_op``), and the
+    moves the plan issues after a host op issued after the device op before it
+    (``actions``, one tuple of moves per op, is not changed: a new table is returned).
+
+    Example:
+        >>> follow_past_host_ops(4, frozenset({1, 2}), [(), ("a",), ("b",), ()])
+        ([3, 3, 3, 4], [('a', 'b'), (), (), ()])
+    """
+    nxt = list(range(1, n_ops + 1))
+    following = n_ops
+    for i in range(n_ops - 1, -1, -1):
+        nxt[i] = following
+        if i not in host_ops:
+            following = i
+    moved = list(actions)
+    prev = -1
+    for i in range(n_ops):
+        if i not in host_ops:
+            prev = i
+        elif moved[i] and prev >= 0:
+            moved[prev] = tuple(moved[prev]) + tuple(moved[i])
+            moved[i] = ()
+    return nxt, moved
+
+
 class HostSteps:
     """Host-side optimizer steps (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
@@ -301,15 +327,17 @@ class HostSteps:
 
     # -- adopting a plan ---------------------------------------------------------------
 
-    def _host_adopt(self, trace: Trace, plan: Plan) -> str | None:
+    def _host_adopt(self, trace: Trace, plan: Plan) -> tuple[str | None, frozenset[int]]:
         """Take up ``plan``'s host steps: host buffers, state to the host, hooks, the
-        device step's skip set, the follower's op order. A plan whose host steps cannot
-        be executed (a parameter that is not its storage whole, not found) is followed
-        without them: the reason is returned (the caller reports it, ``stats.plan_error``)."""
+        device step's skip set. Returns why they are not executed (None if they are: a
+        plan whose host steps cannot be, a parameter that is not its storage whole or
+        not found, is followed without them; the caller reports it, ``stats.plan_error``)
+        and the trace's ops the host runs (the caller's follower skips them:
+        :func:`follow_past_host_ops`)."""
         self._host_release()
         self.stats.host_stepped_params = 0
         if not plan.host_steps or plan.reactive or self.optimizer is None:
-            return None
+            return None, frozenset()
         named = dict(self.model.named_parameters())
         wanted: dict[str, tuple[int, int]] = {}  # parameter name -> its gradient's and its tensor ids
         for h in plan.host_steps:
@@ -327,7 +355,7 @@ class HostSteps:
                     p.grad, getattr(self._entry(p.grad), "nbytes", None))):
                 why = f"parameter {name} or its gradient is a view into a larger storage"
             if why is not None:
-                return f"host steps not executed: {why}"
+                return f"host steps not executed: {why}", frozenset()
             wanted[name] = (h.grad, h.param)
         # what runs on the host: the units of the optimizer's work whose parameters are
         # all host-stepped (a unit shared with a parameter the device steps stays there,
@@ -342,7 +370,8 @@ class HostSteps:
                 del wanted[n]
         host_ops = {o for unit, names in units if names and names <= wanted.keys() for o in unit}
         if not wanted:
-            return "host steps not executed: each shares its optimizer op with a parameter the device steps"
+            return ("host steps not executed: each shares its optimizer op with a parameter the device steps",
+                    frozenset())
         chosen: list[tuple[str, torch.nn.Parameter, int, int]] = []
         for name, (grad, param) in wanted.items():
             # (a device op reading the parameter after backward, a loop that logs or
@@ -352,12 +381,10 @@ class HostSteps:
             chosen.append((name, named[name], last_grad, max(last_grad, last_param)))
         self._host_groups_seen = None
         if any(self._host_group(p) is None for _, p, _, _ in chosen):
-            return "host steps not executed: a host-stepped parameter is in no param group"
+            return "host steps not executed: a host-stepped parameter is in no param group", frozenset()
         cuda = self.device.type == "cuda"
         chunker = self._chunker
-        if chunker is None:  # the device step must leave the host-stepped parameters out
-            chunker = self._chunker = ChunkedStep(self.optimizer, cuda=cuda)
-            chunker.install()
+        chunker.install()  # (if it is not: the device step must leave the host-stepped parameters out)
         chunker.freeze()  # (before the state leaves: its sizes set the chunks, as profiled)
         for name, p, last, last_read in chosen:
             e = self._by_key[f"param:{name}"]
@@ -375,7 +402,7 @@ class HostSteps:
             self._host_params.append(hp)
             self._host_by_cdata[e.cdata] = hp
             self._host_hooks.append(p.register_post_accumulate_grad_hook(self._host_hook(hp)))
-        chunker.skip = {id(hp.param) for hp in self._host_params}
+        chunker.leave_out({id(hp.param) for hp in self._host_params})
         self._host_hooks.append(self.optimizer.register_state_dict_pre_hook(self._host_state_read))
         self._host_hooks.append(self.optimizer.register_load_state_dict_pre_hook(self._host_state_read))
         if self._host_worker is None:
@@ -384,27 +411,7 @@ class HostSteps:
         self.stats.host_stepped_params = len(self._host_params)
         self.stats.host_step_bytes = sum(
             2 * hp.nbytes + sum(v.numel() * v.element_size() for v in hp.held) for hp in self._host_params)
-        self._host_follow_tables(trace, host_ops)
-
-    def _host_follow_tables(self, trace: Trace, host_ops: set[int]) -> None:
-        """The follower skips the ops that run on the host (``_next_op``), and the moves
-        the plan issues after one of them are issued after the device op before it."""
-        n = trace.n_ops
-        nxt = list(range(1, n + 1))
-        following = n
-        for i in range(n - 1, -1, -1):
-            nxt[i] = following
-            if i not in host_ops:
-                following = i
-        self._next_op = nxt
-        prev = -1
-        for i in range(n):
-            if i not in host_ops:
-                prev = i
-            elif self._actions[i] and prev >= 0:
-                self._actions[prev] = tuple(self._actions[prev]) + tuple(self._actions[i])
-                self._actions[i] = ()
-                self._has_moves[prev], self._has_moves[i] = True, False
+        return None, frozenset(host_ops)
 
     def _host_group(self, p: torch.Tensor) -> dict | None:
         """The user's param group holding ``p`` now (``load_state_dict`` makes new group
@@ -479,7 +486,7 @@ class HostSteps:
         self._host_by_cdata.clear()
         self._host_held = set()
         if self._chunker is not None:
-            self._chunker.skip = set()
+            self._chunker.leave_out(set())
             self._chunker.thaw()
         self._label_opt_state()  # (CPU mode: the state the host held is device state again)
 
@@ -766,4 +773,4 @@ class HostSteps:
             self._note_peak()
 
 
-__all__ = ["HostSteps", "update_groups"]
+__all__ = ["HostSteps", "follow_past_host_ops", "update_groups"]

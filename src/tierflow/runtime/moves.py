@@ -90,7 +90,24 @@ class Mover:
         home: host steps' buffers as a tier (:class:`HomeTier`).
 
     Example:
-        >>> # run._mover.evict(e, "host"); ...; run._mover.fetch(e)  (a storage's record e)
+        >>> import torch
+        >>> from tierflow.runtime.collectives import InFlight
+        >>> from tierflow.runtime.ledger import DeviceLedger
+        >>> from tierflow.runtime.stats import RunStats
+        >>> from tierflow.runtime.storages import StorageTable
+        >>> from tierflow.runtime.tier_set import Tiers
+        >>> from tierflow.runtime.tiers import HostPool
+        >>> tiers, ledger = Tiers(torch.device("cpu"), HostPool(1 << 20, pin=False), None), DeviceLedger()
+        >>> table = StorageTable(ledger, "is_cpu", gone_away=lambda e: None, op_now=lambda: 0)
+        >>> home = HomeTier(evict=lambda e: False, wait=lambda e: None, read=lambda e, ev: None)
+        >>> mover = Mover(tiers, ledger, table, InFlight(), RunStats(), home)
+        >>> x = torch.ones(256)
+        >>> e = table.entry(x)
+        >>> mover.evict(e, "host"), x.untyped_storage().nbytes(), ledger.used
+        (True, 0, 0)
+        >>> mover.fetch(e); bool(x.eq(1).all()), ledger.used
+        (True, 1024)
+        >>> _peak = tiers.close()
     """
 
     def __init__(self, tiers: Any, ledger: Any, storages: Any, collectives: Any, stats: Any, home: HomeTier) -> None:
@@ -365,6 +382,10 @@ class Mover:
         for e in list(self.writes):
             self.finish_write(e, wait=wait)
 
+    def drain_copies(self) -> None:
+        """Wait for every copy in flight on the copier (by design: not counted as a wait)."""
+        self._tiers.copier.drain()
+
     def wait_for_transfers(self, reason: str) -> None:
         """Block until every copy and SSD write in flight has finished (a buffer is full
         and they hold it), counting the wait if there was one."""
@@ -490,7 +511,7 @@ class Moves:
 
     def _ensure_resident(self, e: _Entry) -> None:
         if e.state is DROPPED:  # dropped for recompute: its chain runs now
-            self._remake_entry(e)
+            self._recomputer.remake_entry(e)
             return
         if e.state != RESIDENT:
             # an SSD read that already landed in its bounce slot is a prefetch that worked
@@ -523,7 +544,7 @@ class Moves:
         """A storage died while not on the device (``StorageTable``'s ``gone_away``): its
         slots go back to the tiers, or, dropped for recompute, its chain forgets it."""
         if e.state == DROPPED:  # (for recompute: no bytes anywhere)
-            self._dropped_in.pop(e.cdata, None)
+            self._recomputer.forget(e.cdata)
         else:
             self._mover.give_back_slots(e)
 

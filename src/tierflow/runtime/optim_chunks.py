@@ -123,6 +123,20 @@ class ChunkedStep:
             else:
                 del self.opt.step
 
+    def fit(self, budget: float) -> bool:
+        """Chunk an installed step for ``budget`` unless it is chunked already (the first
+        budget known keeps its chunks); True if the step now runs in chunks it did not
+        run in before."""
+        if not self._installed or self.cap is not None:
+            return False
+        self.cap = self.cap_for(budget)
+        return self.cap is not None
+
+    def leave_out(self, params: set[int]) -> None:
+        """The step leaves out the parameters whose ids are ``params`` (their updates run
+        on the host: runtime/host_step.py); an empty set: none."""
+        self.skip = set(params)
+
     def cap_for(self, budget: float) -> float | None:
         """The chunk size for ``budget``: a quarter of it, if some multi-tensor group's
         whole update (its parameters, gradients and state) exceeds half of it; else

@@ -1,31 +1,34 @@
 """Profiling and planning: the profiled iteration becomes a :class:`~tierflow.trace.Trace`
 (ops with measured times, their module scopes and ``rng``/``pure`` flags as
 :mod:`tierflow.capture` records them (:mod:`.opfacts`), storages with their kinds and
-runtime keys), the hardware the planner assumes is built (CUDA: a preset with the real
-device's capacity; CPU: RAM as device and host with the measured copy bandwidth), the
-policy plans, the plan is validated and simulated, and the follower's tables are built.
-A budget below the minimum working set is refused here, before the first optimizer
-step changes anything.
+runtime keys), the policy plans for the hardware :mod:`.machine_model` builds (CUDA: a
+preset with the real device's capacity; CPU: RAM as device and host with the measured
+copy bandwidth), the plan is validated and simulated, and the follower's tables are
+built. A budget below the minimum working set is refused here, before the first
+optimizer step changes anything.
+
+The state this takes and gives is owned elsewhere: the profiled iteration's ops by
+:class:`~.profile_record.ProfileRecord` (``Run._recorder``), when to profile and why
+by :class:`~.profile_schedule.ProfileSchedule` (``Run._schedule``), the machine's
+measurements by :class:`~.machine_model.MachineModel` (``Run._machine``), the chains
+by :class:`~.recompute.Recomputer` (``Run._recomputer``).
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import os
-import time
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import PlanError, TierflowError
-from ..hardware import Compute, Hardware, HostCompute, Link, Tier, load_hardware
+from ..hardware import Hardware
 from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
+from .host_step import follow_past_host_ops
 from .retime import Retimed, Retimer
 from .storages import (
     LOOP_KINDS,
@@ -41,60 +44,6 @@ from .storages import (
 
 if TYPE_CHECKING:
     from .host_costs import HostCosts
-
-
-def _measure_copy_bw(device: torch.device) -> float:
-    """Bytes/s of one 16 MiB device-to-host copy (the CPU-mode "link")."""
-    n = 16 << 20
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty(n, dtype=torch.uint8)
-    b.copy_(a)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        b.copy_(a)
-    return 3 * n / max(time.perf_counter() - t0, 1e-9)
-
-
-def _measure_cuda_links(device: torch.device, nbytes: int = 32 << 20, rounds: int = 3) -> tuple[float, float]:
-    """Bytes/s of pinned device-to-host and host-to-device copies of ``nbytes``, timed
-    with events on side streams (what the runtime's copies are): each direction alone,
-    then both at once on two streams (as a plan's evictions and prefetches overlap).
-    Where both directions are slower at once (a bus or a host memory that the two
-    share), the concurrent figures are returned: the planner then does not count on a
-    rate that a plan moving both ways never gets. (CUDA only; not run on CPU-only CI.)"""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    sides = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-    for s in sides:
-        s.wait_stream(torch.cuda.current_stream(device))
-
-    def timed(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]]) -> list[float]:
-        marks = []
-        for side, dst, src in copies:
-            with torch.cuda.stream(side):
-                dst.copy_(src, non_blocking=True)  # (warm)
-        for side, _dst, _src in copies:
-            side.synchronize()
-        for side, dst, src in copies:  # (issued together: they overlap when two streams)
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(side):
-                t0.record(side)
-                for _ in range(rounds):
-                    dst.copy_(src, non_blocking=True)
-                t1.record(side)
-            marks.append((t0, t1))
-        for _t0, t1 in marks:
-            t1.synchronize()
-        return [rounds * nbytes / max(t0.elapsed_time(t1) / 1e3, 1e-9) for t0, t1 in marks]
-
-    (d2h,) = timed([(sides[0], host, dev)])
-    (h2d,) = timed([(sides[0], dev, host)])
-    both_d2h, both_h2d = timed([(sides[0], host, dev), (sides[1], dev2, host2)])
-    if both_d2h < d2h and both_h2d < h2d:
-        return both_d2h, both_h2d
-    return d2h, h2d
 
 
 def _bindings(trace: Trace, sigs: list[tuple], named: set[int] = frozenset()) -> tuple[list[tuple | None], list[tuple | None]]:
@@ -133,39 +82,21 @@ def _bindings(trace: Trace, sigs: list[tuple], named: set[int] = frozenset()) ->
 # against a plan within 68 bytes of its budget: 22 unplanned evictions, 20 fetches back)
 _HELD_MARGIN = 0.005
 
-_HOST_RATE: list[HostCompute] = []  # measured once per process
-
-
-def _host_optimizer_rate() -> HostCompute:
-    """The host's AdamW rate, for plans that step the optimizer on the host. Measured
-    once per process at small sizes (a few tens of milliseconds): in CPU mode the
-    "device" and the host are the same CPU, so the figure only orders the choices."""
-    if not _HOST_RATE:
-        from ..capture.host import measure_host_optimizer
-
-        with torch.random.fork_rng(devices=[]):  # (the user's random stream is not ours to draw from)
-            _HOST_RATE.append(measure_host_optimizer(sizes=(1 << 14, 1 << 18), repeats=2, params_per_size=2))
-    return _HOST_RATE[0]
-
-
 class Profiling:
     """Profile, plan and predict (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
 
     def _on_step_pre(self, optimizer, args, kwargs) -> None:
-        # an optimizer class whose step calls super().step() runs the hooks twice (each
-        # class's step is wrapped by Optimizer): one step is the outermost pair
-        self._step_depth += 1
-        if self._step_depth > 1:
+        # (a subclass's step calling super().step() runs the hooks twice: the outermost
+        # pair is the step, runtime/step_clock.StepNesting)
+        if not self._step_nesting.enter():
             return
-        self._in_step = True
         if self._hook is not None and self._hook.off_mode:  # (the ticks end: the optimizer op by op)
             self._hook.to_optimizer()
         if self._in_iter and self._recording and self._budget_bytes is not None:
             self._check_working_set()
 
     def _on_step_post(self, optimizer, args, kwargs) -> None:
-        self._step_depth = max(0, self._step_depth - 1)
-        if self._step_depth == 0:
+        if self._step_nesting.leave():
             self.end_iteration()
 
     def _check_working_set(self) -> None:
@@ -173,7 +104,7 @@ class Profiling:
         one op of forward/backward needs, or what the update of one parameter needs."""
         sizes = [e.nbytes for e in self._iter_entries]
         worst, where = 0, ""
-        for j, (name, _ph, _d, ins, outs) in enumerate(self._rec):
+        for j, (name, _ph, _d, ins, outs) in enumerate(self._recorder.ops):
             ws = sum(sizes[t] for t in set(ins) | set(outs))
             if ws > worst:
                 worst, where = ws, f"op {j} ({name})"
@@ -214,7 +145,7 @@ class Profiling:
         self._reap()
         now = sum(e.nbytes for e in self._held_entries())
         if now - self._held_baseline > _HELD_MARGIN * self.stats.budget_bytes:
-            self._need_profile, self._plan_why = True, "held"  # (stats.plans_by_reason)
+            self._schedule.profile("held")  # (stats.plans_by_reason)
             self.stats.held_replans += 1
 
     def _build_trace(self) -> Trace:
@@ -222,17 +153,16 @@ class Profiling:
         # keeps) is on the device all through it, and nothing can move it: the plan
         # keeps that much of the budget free (see _make_plan)
         used = {id(e) for e in self._iter_entries}
-        self._held_baseline = sum(e.nbytes for e in self._held)
-        self._held_reserve = sum(e.nbytes for e in self._held if id(e) not in used)
-        self._held = []
-        kernels = None
-        if self._kernel_timer is not None:  # CUDA: each op's kernel time (kernel_times)
-            if self._cuda:
-                torch.cuda.synchronize(self.device)
-            kernels, self._kernel_timer = self._kernel_timer.stop(len(self._rec)), None
-        self._op_kernel_s = kernels.op_s if kernels is not None and kernels.usable else []
-        last_kept = self._drop_hook_ops()
-        n_ops = len(self._rec)
+        held_then = self._recorder.take_held()
+        self._held_baseline = sum(e.nbytes for e in held_then)
+        self._held_reserve = sum(e.nbytes for e in held_then if id(e) not in used)
+        # the recorded ops with their best times, less those our saved-tensor hooks
+        # caused (runtime/profile_record.py)
+        recorded = self._recorder.finish()
+        if recorded.dropped:
+            self._opfacts.keep_only(recorded.kept)
+        last_kept = recorded.last_kept
+        n_ops = len(recorded.ops)
         tensors = []
         for i, e in enumerate(self._iter_entries):
             kind = e.kind
@@ -267,21 +197,7 @@ class Profiling:
             size = int(max(e.nbytes, e.top)) if e.counted else 0
             tensors.append(TensorInfo(i, size, kind, persistent, e.name, e.key,
                                       held if held is not None and held >= 0 else None, external))
-        rec = self._rec
-        timing = "measured"
-        if self._op_kernel_s and len(self._op_kernel_s) == len(rec):
-            # CUDA: the GPU time of the kernels each op launched (the torch profiler's
-            # CUDA activity; runtime/kernel_times.py), without the launch gaps events see
-            rec = [(n, ph, d, i, o) for (n, ph, _d, i, o), d in zip(rec, self._op_kernel_s)]
-            timing = "measured: kernel time (torch profiler)"
-        elif self._op_events and len(self._op_events) == len(rec):
-            # CUDA: each op's time on the compute stream between events recorded around
-            # it (the host's time around a launch says nothing of the kernel); gaps where
-            # the GPU waited for the launch are in it, the runtime's own work between ops
-            # is not
-            torch.cuda.synchronize(self.device)
-            rec = [(n, ph, a.elapsed_time(b) / 1e3, i, o) for (n, ph, _d, i, o), (a, b) in zip(rec, self._op_events)]
-        self._op_events, self._op_kernel_s = [], []
+        rec, timing, kernels = recorded.ops, recorded.timing, recorded.kernels
         facts = self._opfacts.ops_facts(rec, [t.kind for t in tensors])  # scope, rng, pure (see opfacts)
         ops = [Op(name, phase, max(0.0, d), tuple(ins), tuple(outs), *f)
                for (name, phase, d, ins, outs), f in zip(rec, facts)]
@@ -289,40 +205,17 @@ class Profiling:
                       meta={"source": "tierflow.runtime", "device": str(self.device), "timing": timing,
                             **({"kernel_times": kernels.summary()} if kernels is not None else {}),
                             # (the ticks a hook-driven follower could act at: runtime/segments.py)
-                            **({"ticks": self._trace_ticks()} if self._opfacts.ticks else {})})
-        self._trace_sigs_next = list(self._sigs)
+                            **({"ticks": self._trace_ticks(recorded.kept)} if self._opfacts.ticks else {})})
+        self._trace_sigs_next = list(recorded.sigs)
         return trace
 
-    def _trace_ticks(self) -> list[list[Any]]:
+    def _trace_ticks(self, kept: list[int]) -> list[list[Any]]:
         """The profiled iteration's ticks with the trace's op indices (segments.TickLog)."""
         from .segments import TickLog
 
         log = TickLog(lambda: 0, {})
         log.ticks = self._opfacts.ticks
-        return log.for_trace(self._kept_ops)
-
-    def _drop_hook_ops(self) -> Callable[[int], int]:
-        """Leave out of the profiled iteration the ops our saved-tensor hooks caused
-        (autograd's ``detach`` of what the unpack hook returned): the iterations that
-        follow the plan run without the hooks (``_hooks_off_for_iteration``), so they
-        do not have them. Returns the map from a recorded op's index to the index of the
-        last op kept at or before it."""
-        drop = set(self._hook_ops)
-        self._hook_ops = []
-        if not drop:
-            self._kept_ops = list(range(len(self._rec)))
-            return lambda j: j
-        keep = [j for j in range(len(self._rec)) if j not in drop]
-        self._kept_ops = keep
-        self._rec = [self._rec[j] for j in keep]
-        self._sigs = [self._sigs[j] for j in keep]
-        if len(self._op_events) == len(keep) + len(drop):
-            self._op_events = [self._op_events[j] for j in keep]
-        if len(self._op_kernel_s) == len(keep) + len(drop):
-            self._op_kernel_s = [self._op_kernel_s[j] for j in keep]
-        self._opfacts.keep_only(keep)
-        # an op index of the recorded iteration -> the last kept op at or before it
-        return lambda j: bisect.bisect_right(keep, j) - 1
+        return log.for_trace(kept)
 
     def _agree_trace(self, trace: Trace) -> Trace:
         """The trace every rank plans from: the same ops and tensors on every rank (else
@@ -337,8 +230,7 @@ class Profiling:
             ": each rank must run the same ops on tensors of the same sizes (same per-rank batch shape, "
             "even shards) to share a plan; pass sync_ranks=False to let each rank plan alone")
         slowest = sync.slowest([o.duration_s for o in trace.ops])
-        if self.device.type == "cpu" and self._hardware_arg is None:
-            self._copy_bw = sync.min(_measure_copy_bw(self.device))
+        self._machine.agree_copy_bw()  # (CPU: the slowest rank's copy bandwidth)
         ops = tuple(replace(o, duration_s=d) for o, d in zip(trace.ops, slowest))
         # NOTE: when a storage is really freed depends on timing (a collective's buffers
         # go when its Work completes): every rank holds each tensor as long as the rank
@@ -350,110 +242,30 @@ class Profiling:
         return Trace(ops, tensors, name=trace.name,
                      meta=dict(trace.meta, timing=f"measured, slowest of {sync.world_size} ranks"))
 
-    def _hardware_for(self, trace: Trace) -> Hardware:
-        if self.device.type == "cuda":
-            base = load_hardware(self._hardware_arg or "h100-80g-pcie5-nvme")
-            cap = float(torch.cuda.get_device_properties(self.device).total_memory)
-            hw = base.with_tier(base.device, capacity=cap)
-            if self._hardware_arg is None:
-                hw = self._measured_links(hw)
-            host_cap, ssd_cap = self._tier_limits()
-            host = next((t.name for t in hw.tiers if t.kind == "host"), None)
-            if host is not None:
-                hw = hw.with_tier(host, capacity=float(host_cap))
-            for t in hw.tiers:
-                if t.kind == "ssd":
-                    hw = hw.with_tier(t.name, capacity=float(ssd_cap))
-            if self._hardware_arg is None:  # (a GPU: the host only queues the kernels)
-                costs = self._measured_host_costs()
-                hw = replace(hw, async_launch=True, op_issue_s=costs.op_issue_s,
-                             recompute_issue_s=costs.recompute_issue_s)
-            return hw
-        if self._hardware_arg is not None:
-            return load_hardware(self._hardware_arg)
-        bw = self._copy_bw if self._copy_bw is not None else _measure_copy_bw(self.device)
-        total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        if self._sync is not None:
-            total = self._sync.min(total)
-        host_cap, ssd_cap = self._tier_limits()
-        tiers = [Tier("device", "device", max(total, self.budget if math.isfinite(self.budget) else 0)),
-                 Tier("host", "host", float(host_cap))]
-        links = [Link("device->host", "device", "host", bw), Link("host->device", "host", "device", bw)]
-        if self._tiers.ssd is not None:
-            # NVMe-class rates; the runtime's own transfers are what stats report
-            tiers.append(Tier("ssd", "ssd", float(ssd_cap), read_bw=2e9, write_bw=1e9, latency_s=1e-4))
-            links += [Link("device->ssd", "device", "ssd", bw), Link("ssd->device", "ssd", "device", bw)]
-        host = _host_optimizer_rate()
-        if self._move_s is None:
-            # NOTE: in CPU mode a move's bookkeeping runs on the thread that runs the ops
-            # (tens of microseconds of Python): a plan of 200 small moves can lose to one
-            # of 40 larger ones that the simulator, without this figure, ranks the same
-            self._move_s = self._probe_move_s()
-        move_s = self._move_s
-        if self._sync is not None:
-            host = replace(host, optimizer_bytes_per_s=self._sync.min(host.optimizer_bytes_per_s))
-            move_s = self._sync.min(move_s)
-        # NOTE: the trace's op times are the ops alone; the lean path's own cost per op
-        # (a few to tens of microseconds of Python) is most of a tiny model's step
-        costs = self._measured_host_costs()
-        return Hardware("cpu-runtime", "device", tuple(tiers), tuple(links), Compute(1e11, 1e11, 2e10),
-                        description="CPU mode: device and host are both RAM, the budget accounted",
-                        host_compute=host, move_issue_s=move_s, op_issue_s=costs.op_issue_s,
-                        recompute_issue_s=costs.recompute_issue_s, host_step_issue_s=costs.host_step_issue_s,
-                        host_copies=True)
+    @property
+    def _host_costs(self) -> HostCosts | None:
+        """The runtime's costs measured at the first plan (runtime/machine_model.py)."""
+        return self._machine.costs
 
-    def _measured_host_costs(self) -> HostCosts:
-        """The runtime's costs per op, per replayed op and per host step on this machine,
-        measured at the first plan (:mod:`.host_costs`), the slowest rank's (the ranks
-        plan alike)."""
-        from .host_costs import HostCosts, measure_host_costs
-
-        costs = getattr(self, "_host_costs", None)
-        if costs is None:
-            costs = measure_host_costs(self)
-            if self._sync is not None:  # (the largest: a min of the negated figures)
-                costs = HostCosts(*(-self._sync.min(-c) for c in (costs.op_issue_s, costs.recompute_issue_s,
-                                                                   costs.lean_op_s, costs.host_step_issue_s)))
-            self._host_costs = costs
-        return costs
-
-    def _plan_hardware(self, hw: Hardware, policy: str) -> Hardware:
+    def _plan_hardware(self, hw: Hardware, policy: str, own_host_steps: bool = True) -> Hardware:
         """The machine the policy plans for: without a host to step the optimizer on
         where host steps are not wanted (``offload(host_steps=...)``): on CUDA, by
         default, tierflow's planner does not choose them, since the host's optimizer
         kernels can round differently from the GPU's and the user expects parameters
-        equal to plain PyTorch's."""
-        return hw if self._host_steps_allowed(policy) or hw.host_compute is None else replace(hw, host_compute=None)
+        equal to plain PyTorch's. ``own_host_steps`` False: none where the choice is
+        tierflow's own (``host_steps=None``; see ``Run._plan_for_signature``)."""
+        allowed = self._host_steps_allowed(policy, own_host_steps)
+        return hw if allowed or hw.host_compute is None else replace(hw, host_compute=None)
 
-    def _host_steps_allowed(self, policy: str) -> bool:
+    def _host_steps_allowed(self, policy: str, own_host_steps: bool = True) -> bool:
         if self._host_steps is not None:
             return self._host_steps
+        if not own_host_steps and policy == "tierflow":
+            return False
         return not self._cuda or policy != "tierflow"
 
-    def _measured_links(self, hw: Hardware) -> Hardware:
-        """The preset's device<->host links (and the buses they cross) at the copy rates
-        measured here: the preset's PCIe figures are a vendor's, this machine's are not."""
-        if not self.stats.link_bytes_per_s:
-            d2h, h2d = _measure_cuda_links(self.device)
-            if self._sync is not None:
-                d2h, h2d = self._sync.min(d2h), self._sync.min(h2d)
-            self.stats.link_bytes_per_s = {"device->host": d2h, "host->device": h2d}
-        rate = self.stats.link_bytes_per_s
-        host = {t.name for t in hw.tiers if t.kind == "host"}
-        links, buses = [], dict(hw.buses)
-        for link in hw.links:
-            bw = (rate["device->host"] if link.src == hw.device and link.dst in host
-                  else rate["host->device"] if link.dst == hw.device and link.src in host else None)
-            if bw is not None:
-                links.append(replace(link, bandwidth=bw))
-                for b in link.buses:
-                    buses[b] = bw
-            else:
-                links.append(link)
-        return replace(hw, links=tuple(links), buses=buses)
-
     def _policy_plan(self, trace: Trace, hw: Hardware, plan_budget: float, budget: float | None,
-                     moves_only: bool = False) -> Plan:
+                     moves_only: bool = False, own_host_steps: bool = True) -> Plan:
         """The policy's plan for ``trace`` (the pager's reactive plan where it cannot
         make one: ``stats.plan_error`` says why); ``moves_only``: tierflow's joint planner
         with its move lever alone, unless the options name the levers."""
@@ -479,8 +291,8 @@ class Profiling:
             # planned plan fits (the policy's own fallback).
             options.setdefault("reactive", False)
         try:
-            plan = make_plan(name, trace, self._plan_hardware(hw, name), budget=budget, **options)
-            if plan.host_steps and not self._host_steps_allowed(name):
+            plan = make_plan(name, trace, self._plan_hardware(hw, name, own_host_steps), budget=budget, **options)
+            if plan.host_steps and not self._host_steps_allowed(name, own_host_steps):
                 # (a policy whose method is host steps plans them whatever the machine)
                 raise PlanError(f"{name} planned {len(plan.host_steps)} host optimizer steps, which "
                                 "offload(host_steps=False) refuses")
@@ -512,9 +324,13 @@ class Profiling:
     def _adopt_host_steps(self, trace: Trace, plan: Plan) -> None:
         """Take up ``plan``'s host steps (runtime/host_step.py); where they cannot be
         executed the plan is followed without them and ``stats.plan_error`` says why."""
-        why = self._host_adopt(trace, plan)
+        why, host_ops = self._host_adopt(trace, plan)
         if why is not None:
             self.stats.plan_error = why
+        if host_ops:  # the follower skips the ops the host runs, their moves to the device op before
+            self._next_op, moved = follow_past_host_ops(trace.n_ops, host_ops, self._actions)
+            self._actions[:] = moved  # (the follower's table, changed in place as the plan cache keeps it)
+            self._has_moves = [bool(a) for a in moved]
 
     def _adopt_retimed(self, r: Retimed) -> None:
         """The plan's prediction made again from its first followed iterations (see
@@ -525,14 +341,16 @@ class Profiling:
         self.stats.outside_handler_s = r.outside_s
         self.trace, self.hardware, self.prediction = r.trace, r.hardware, r.prediction
 
-    def _make_plan(self, trace: Trace) -> bool:
+    def _make_plan(self, trace: Trace, own_host_steps: bool = True) -> bool:
         """Plan from ``trace``; False if the trace cannot be planned from yet (the
         budget, only now known, splits the optimizer step into chunks the profiled
-        iteration did not run: the next iteration is profiled with them)."""
+        iteration did not run: the next iteration is profiled with them).
+        ``own_host_steps`` False: tierflow's planner does not choose host steps
+        (``Run._plan_for_signature``)."""
         from ..policies import min_working_set
         from ..simulate import simulate
 
-        hw = self._hardware_for(trace)
+        hw = self._machine.hardware(self.budget)  # (runtime/machine_model.py)
         self.stats.plan_error = None
         if self._budget_share is not None:
             self.budget = self._budget_share * trace.peak_live_bytes
@@ -559,11 +377,8 @@ class Profiling:
                 held += int(_HELD_MARGIN * self.stats.budget_bytes)
             self.stats.held_device_bytes = held
         plan_budget = self.budget - held  # (what the trace's own tensors may have)
-        chunker = self._chunker
-        if chunker is not None and chunker.cap is None and math.isfinite(plan_budget):
-            chunker.cap = chunker.cap_for(plan_budget)
-            if chunker.cap is not None:  # the profiled step ran whole: profile the chunked one
-                return False
+        if self._chunker is not None and math.isfinite(plan_budget) and self._chunker.fit(plan_budget):
+            return False  # the profiled step ran whole: profile the chunked one
         need, op = min_working_set(trace)
         if need > plan_budget:
             reserve = self.stats.untracked_device_bytes
@@ -583,13 +398,13 @@ class Profiling:
         # can be (runtime/hook_follow.py); else from the trace itself, followed op by op
         coarse, why = self._coarse_for(trace, plan_budget)
         plan = self._policy_plan(coarse.trace if coarse is not None else trace, hw, plan_budget, budget,
-                                 moves_only=coarse is not None)
+                                 moves_only=coarse is not None, own_host_steps=own_host_steps)
         if coarse is not None and (plan.recomputes or plan.host_steps or plan.reactive):
             why = ("the plan recomputes" if plan.recomputes else "the plan steps the optimizer on the host"
                    if plan.host_steps else "the plan is reactive")
             coarse = None
             self.stats.plan_error = None
-            plan = self._policy_plan(trace, hw, plan_budget, budget)
+            plan = self._policy_plan(trace, hw, plan_budget, budget, own_host_steps=own_host_steps)
         self._hook = None
         self.stats.follow = "hooks" if coarse is not None else "ops" + (f" ({why})" if why else "")
         sigs = self._trace_sigs_next
@@ -599,7 +414,6 @@ class Profiling:
             sigs = coarse_sigs(coarse, sigs)
             self._hook = HookFollower(self, coarse, list(trace.meta.get("ticks", ())), plan)
             trace = coarse.trace
-        self._from_profile = True
         self._external_tids = frozenset(t.id for t in trace.tensors if t.external)
         self._start_away: dict[str, str] = {}
         if not plan.reactive:
@@ -661,7 +475,8 @@ class Profiling:
         else:  # no budget and nothing planned: no tensor will ever be moved or ranked, so
             # none is identified (a departure is still caught by op and result sizes)
             self._bind_in = self._bind_out = [None] * len(sigs)
-        self._recompute_tables(trace, plan)
+        self._recomputer = self._recomputer.for_plan(trace, plan)  # its chains (runtime/recompute.py)
+        levers_at = self._recomputer.levers_at
         # ops whose results are views, with nothing of theirs bound: the lean path skips
         # their results (same storages as their arguments, no bytes)
         self._views_only = [f is not None and _returns_views(f) and b is None and not self._write_spots[i]
@@ -682,10 +497,10 @@ class Profiling:
         # ops the lean path only runs: metadata over a storage, nothing planned there
         # (after the host steps: the moves after an op the host runs move to the op before)
         self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None
-                         and not self._levers_at[i] and not self._has_moves[i] and not born[i]
+                         and not levers_at[i] and not self._has_moves[i] and not born[i]
                          for i, f in enumerate(self._fast_funcs)]
         # the lean path's per-op row (executor._follow_op), in its order
         self._optab = list(zip(self._fast_funcs, self._trivial, self._next_op, self._flat_args, self._bind_in,
-                               self._levers_at, born, self._views_only, self._out_sizes, self._write_spots,
+                               levers_at, born, self._views_only, self._out_sizes, self._write_spots,
                                self._bind_out, self._has_moves))
         return True

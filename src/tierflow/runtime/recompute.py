@@ -42,15 +42,21 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..capture.opflags import writes
 from .errors import OffloadError
-from .storages import RESIDENT, _Entry, _u8
+from .storages import RESIDENT, StorageTable, _Entry, _u8
+
+if TYPE_CHECKING:
+    from .ledger import DeviceLedger
+    from .stats import RunStats
+    from .streams import Copier
 
 DROPPED = "dropped"
 
@@ -131,21 +137,59 @@ def _set_rng_states(states: tuple[Any, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-class Recomputing:
-    """Recompute chains (a mixin of :class:`~tierflow.runtime.executor.Run`)."""
+class Recomputer:
+    """The plan's recompute chains, executed: what each iteration records of them, the
+    storages dropped now, and their replays. One per plan (the plan cache keeps each
+    plan's, :mod:`.signatures`); it owns its tables and chains, and is the one writer of
+    the ``RunStats`` recompute counters (``dropped_bytes``, ``skipped_drops``,
+    ``early_recomputes``, ``recomputed_ops``, ``recompute_s``).
 
-    def _recompute_tables(self, trace: Any, plan: Any) -> None:
-        """Per op: the chains it records for, the tensors dropped after it, the chains
-        re-made before it."""
+    Args:
+        storages: the run's storage records (which entry a tensor is, the iteration's
+            trace ids; a dropped storage leaves the LRU order, a re-made one rejoins it).
+        ledger: the device bytes (a drop takes its bytes off, a replay puts them back).
+        copier: the copy layer (a drop waits for a copy still writing the storage).
+        stats: the run's stats.
+        device: the run's device.
+        make_room: ``make_room(bytes, keep)``: evict until that many more bytes fit,
+            never what ``keep`` holds (the run's mover, ``Moves._make_room``).
+        ensure_resident: bring an away or arriving storage back (the run's mover; a
+            chain input that is itself away).
+
+    Example:
+        >>> # inside a run, each new plan gets its own (profiling.Profiling._make_plan):
+        >>> # run._recomputer = run._recomputer.for_plan(trace, plan)
+    """
+
+    def __init__(self, storages: StorageTable, ledger: DeviceLedger, copier: Copier, stats: RunStats,
+                 device: torch.device, *, make_room: Callable[[int, list[_Entry]], None],
+                 ensure_resident: Callable[[_Entry], None]) -> None:
+        self._storages, self._ledger, self._copier, self._stats = storages, ledger, copier, stats
+        self._device = device
+        self._dev_attr = "is_cuda" if device.type == "cuda" else "is_cpu"
+        self._make_room, self._ensure_resident = make_room, ensure_resident
+        self._chains: list[_Chain] = []
+        # per op: the chains it records for, the tensors dropped after it, the chains
+        # re-made before it, and whether any of those (the lean path reads them per op)
+        self.chain_ops: list[tuple[int, ...]] = []
+        self.drops: list[tuple[tuple[int, int], ...]] = []
+        self.remakes: list[tuple[int, ...]] = []
+        self.levers_at: list[bool] = []
+        self._dropped_in: dict[int, int] = {}  # storage address -> chain, while dropped
+
+    def _sibling(self) -> Recomputer:
+        return Recomputer(self._storages, self._ledger, self._copier, self._stats, self._device,
+                          make_room=self._make_room, ensure_resident=self._ensure_resident)
+
+    def for_plan(self, trace: Any, plan: Any) -> Recomputer:
+        """A recomputer for ``plan``'s chains over ``trace``, with the same collaborators."""
+        rc = self._sibling()
         n = trace.n_ops
-        self._chains = [_Chain(tuple(sorted(r.ops)), tuple(r.tensors), r.before_op) for r in plan.recomputes]
-        self._chain_ops: list[tuple[int, ...]] = [()] * n
-        self._drops: list[tuple[tuple[int, int], ...]] = [()] * n
-        self._remakes: list[tuple[int, ...]] = [()] * n
+        rc._chains = [_Chain(tuple(sorted(r.ops)), tuple(r.tensors), r.before_op) for r in plan.recomputes]
         chain_ops: dict[int, list[int]] = {}
         drops: dict[int, list[tuple[int, int]]] = {}
         remakes: dict[int, list[int]] = {}
-        for c, chain in enumerate(self._chains):
+        for c, chain in enumerate(rc._chains):
             for op in chain.ops:
                 chain_ops.setdefault(op, []).append(c)
             remakes.setdefault(chain.before_op, []).append(c)
@@ -153,25 +197,38 @@ class Recomputing:
                 before = [int(u) for u in trace.uses(tid) if u < chain.before_op]
                 if before:
                     drops.setdefault(max(before), []).append((c, tid))
-        for op, cs in chain_ops.items():
-            self._chain_ops[op] = tuple(cs)
-        for op, ds in drops.items():
-            self._drops[op] = tuple(ds)
-        for op, cs in remakes.items():
-            if 0 <= op < n:
-                self._remakes[op] = tuple(cs)
-        self._levers_at = [bool(a or b or c) for a, b, c in zip(self._chain_ops, self._drops, self._remakes)]
-        self._dropped_in: dict[int, int] = {}  # storage address -> chain, while dropped
+        rc.chain_ops = [tuple(chain_ops.get(op, ())) for op in range(n)]
+        rc.drops = [tuple(drops.get(op, ())) for op in range(n)]
+        rc.remakes = [tuple(remakes.get(op, ())) for op in range(n)]
+        rc.levers_at = [bool(a or b or c) for a, b, c in zip(rc.chain_ops, rc.drops, rc.remakes)]
+        return rc
 
-    def _reset_chains(self) -> None:
-        for chain in getattr(self, "_chains", ()):
+    def with_chains(self, chains: list[_Chain]) -> Recomputer:
+        """A recomputer holding ``chains`` as recorded, with no per-op tables (a probe
+        that times replays, :mod:`.host_costs`)."""
+        rc = self._sibling()
+        rc._chains = chains
+        return rc
+
+    @property
+    def chains(self) -> list[_Chain]:
+        """The plan's chains (read only)."""
+        return self._chains
+
+    def reset(self) -> None:
+        """The iteration ended: what the chains recorded is released."""
+        for chain in self._chains:
             chain.reset()
         self._dropped_in = {}
 
-    def _record(self, i: int, func, args: tuple, kwargs: dict, out: Any, states: Any) -> None:
+    def forget(self, cdata: int) -> None:
+        """A dropped storage died (its graph was freed): nothing to re-make into it."""
+        self._dropped_in.pop(cdata, None)
+
+    def record(self, i: int, func, args: tuple, kwargs: dict, out: Any, states: Any) -> None:
         """Op ``i`` ran forward and belongs to chains: keep what re-running it needs
         (``states``: the random generators' states just before it, if it draws)."""
-        for c in self._chain_ops[i]:
+        for c in self.chain_ops[i]:
             chain = self._chains[c]
             step = len(chain.recipe)
             if step >= len(chain.ops) or chain.ops[step] != i:
@@ -192,29 +249,31 @@ class Recomputing:
                     for t in outs if isinstance(t, torch.Tensor)}
             chain.recipe.append(_step(func, args, kwargs, ref, states,
                                       sum(n for c, n in made.items() if c not in given)))
+            entries, tid_of = self._storages.entries, self._storages.iter_tid
             for k, t in enumerate(outs):
                 if isinstance(t, torch.Tensor):
                     chain.made[id(t)] = (step, k, weakref.ref(t))
-                    e = self._entries.get(t.untyped_storage()._cdata)
-                    tid = self._iter_tid.get(e.cdata) if e is not None else None
+                    e = entries.get(t.untyped_storage()._cdata)
+                    tid = tid_of.get(e.cdata) if e is not None else None
                     if tid is not None and tid in chain.tensors and tid not in chain.source:
                         chain.source[tid] = (step, k)
 
-    def _drop(self, i: int) -> None:
+    def drop(self, i: int) -> None:
         """After op ``i``: free the storages of the chains' tensors whose last forward use
         it was (only for chains recorded whole)."""
-        for c, tid in self._drops[i]:
+        for c, tid in self.drops[i]:
             chain = self._chains[c]
-            e = self._iter_entries[tid] if tid < len(self._iter_entries) else None
+            entries = self._storages.iter_entries
+            e = entries[tid] if tid < len(entries) else None
             if e is None or tid not in chain.source:  # (its op was not recorded: keep it)
-                self.stats.skipped_drops += 1
+                self._stats.skipped_drops += 1
                 continue
             st = e.ref()
             if st is None or e.state is not RESIDENT or not e.resizable or e.pins or e.foreign:
-                self.stats.skipped_drops += 1
+                self._stats.skipped_drops += 1
                 continue
             if e.arrival is not None:
-                self._tiers.copier.wait(e.arrival)
+                self._copier.wait(e.arrival)
                 e.arrival = None
             st.resize_(0)
             e.state = DROPPED
@@ -222,22 +281,23 @@ class Recomputing:
             self._storages.left_device(e)
             self._dropped_in[e.cdata] = c
             chain.dropped.append((e, chain.source[tid]))
-            self.stats.dropped_bytes += e.nbytes
+            self._stats.dropped_bytes += e.nbytes
 
-    def _remake_before(self, i: int) -> None:
-        for c in self._remakes[i]:
+    def remake_before(self, i: int) -> None:
+        """Re-make the chains due before op ``i`` that dropped something."""
+        for c in self.remakes[i]:
             if self._chains[c].dropped:
-                self._remake(c)
+                self.remake(c)
 
-    def _remake_entry(self, e: _Entry) -> None:
+    def remake_entry(self, e: _Entry) -> None:
         """A dropped tensor is needed now (earlier than planned, or unexpectedly)."""
         c = self._dropped_in.get(e.cdata)
         if c is None:
             raise OffloadError(f"{e.label} was dropped for recompute and its chain is gone")
-        self.stats.early_recomputes += 1
-        self._remake(c)
+        self._stats.early_recomputes += 1
+        self.remake(c)
 
-    def _remake(self, c: int) -> None:
+    def remake(self, c: int) -> None:
         """Re-run chain ``c`` and put the re-made bytes back in the dropped storages.
 
         Each re-made tensor is copied into its own storage as soon as the op that makes
@@ -246,12 +306,12 @@ class Recomputing:
         chain needs them."""
         chain = self._chains[c]
         t0 = time.perf_counter()
-        dev = self.device
+        dev = self._device
         inputs: list[_Entry] = []
         for x in (v for st in chain.recipe for v in st.vals):
             # a chain input that is itself away or dropped (another chain's tensor) first
             if isinstance(x, torch.Tensor) and getattr(x, self._dev_attr) is True:
-                e = self._entries.get(x.untyped_storage()._cdata)
+                e = self._storages.entries.get(x.untyped_storage()._cdata)
                 if e is not None:
                     inputs.append(e)
                     if e.state is not RESIDENT or e.arrival is not None:
@@ -308,22 +368,23 @@ class Recomputing:
                     # be read, not those just let go (counting them over-reserved by a
                     # block's widest activation, an unplanned eviction per chain)
                     temp = self._replay_temps(results)
-                    self.stats.recomputed_ops += 1
+                    self._stats.recomputed_ops += 1
         finally:
             _set_rng_states(keep, dev)
         chain.dropped = []
         chain.recipe, chain.made = [], {}  # (the chain's inputs are released here)
-        self.stats.recompute_s += time.perf_counter() - t0
+        self._stats.recompute_s += time.perf_counter() - t0
 
     def _replay_temps(self, results: list) -> dict[int, int]:
         """The replay's own storages among ``results`` (what no entry tracks), by address:
         their bytes."""
         temp: dict[int, int] = {}
+        tracked = self._storages.entries
         for rs in results:
             for x in rs or ():
                 if isinstance(x, torch.Tensor):
                     st = x.untyped_storage()
-                    if st._cdata not in self._entries:
+                    if st._cdata not in tracked:
                         temp[st._cdata] = st.nbytes()
         return temp
 
@@ -367,4 +428,4 @@ def _can_swap(st: torch.UntypedStorage, src: torch.UntypedStorage) -> bool:
 
 _SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_") and hasattr(torch._C, "_storage_Use_Count")
 
-__all__ = ["DROPPED", "Recomputing", "rng_states"]
+__all__ = ["DROPPED", "Recomputer", "rng_states"]

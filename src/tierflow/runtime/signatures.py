@@ -45,8 +45,7 @@ PLAN_STATE = (
     "trace", "plan", "hardware", "prediction", "_hook", "_layout", "_start_away", "_external_tids",
     "_n_ops", "_n_tensors", "_funcs", "_fast_funcs", "_out_sizes", "_flat_args", "_write_spots",
     "_bind_in", "_bind_out", "_views_only", "_op_labels", "_actions", "_has_moves", "_next_op",
-    "_key_tid", "_born", "_trivial", "_optab", "_chains", "_chain_ops", "_drops", "_remakes",
-    "_levers_at", "_held_baseline", "_held_reserve", "_retimer",
+    "_key_tid", "_born", "_trivial", "_optab", "_recomputer", "_held_baseline", "_held_reserve", "_retimer",
 )
 #: ... and the figures the run reports about the plan it follows.
 PLAN_STATS = ("predicted_step_time_s", "predicted_step_time_s_at_plan", "ideal_step_time_s", "policy",
@@ -178,6 +177,26 @@ class PlanCache:
             return "pager"
         self.seen_once.pop(sig, None)
         return "profile"
+
+    def switch(self, sig: Hashable) -> None:
+        """The executor holds ``sig``'s plan now (or is about to profile ``sig``)."""
+        self.current = sig
+
+    def restart(self, sig: Hashable) -> None:
+        """Forget every plan kept; ``sig`` is profiled next (ranks planning together)."""
+        self.plans.clear()
+        self.current = sig
+
+    def discard_current(self) -> None:
+        """The current signature's plan departed from its iteration: not to be followed again."""
+        self.plans.pop(self.current, None)
+
+    def refresh_current(self, now: CachedPlan) -> None:
+        """The current signature's plan as the executor holds it now (its retimed trace
+        and figures), kept with its count of iterations followed."""
+        kept = self.plans.get(self.current)
+        if kept is not None:
+            kept.state, kept.stats = now.state, now.stats
 
     def followed(self, sig: Hashable) -> None:
         """An iteration of ``sig`` began with its cached plan."""

@@ -76,3 +76,43 @@ class StepClock:
             st.step_time_s = self._sums["planned"] / self._counts["planned"]
         else:
             st.step_time_s = sum(self._sums.values()) / sum(self._counts.values())
+
+
+class StepNesting:
+    """Whether ``optimizer.step()`` is running, counting its nesting: an optimizer class
+    whose step calls ``super().step()`` runs the step hooks twice (each class's step is
+    wrapped by ``Optimizer``), and one step is the outermost pair. The one writer of
+    this state; the run's step hooks call :meth:`enter` and :meth:`leave`.
+
+    Example:
+        >>> s = StepNesting()
+        >>> s.enter(), s.enter(), s.in_step
+        (True, False, True)
+        >>> s.leave(), s.leave()
+        (False, True)
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self.in_step = False  # (read by the pager: state the step creates is evictable too)
+
+    def enter(self) -> bool:
+        """A step hook's pre-call; True for the outermost (the step begins)."""
+        self._depth += 1
+        if self._depth > 1:
+            return False
+        self.in_step = True
+        return True
+
+    def leave(self) -> bool:
+        """A step hook's post-call; True when the outermost returned (the step ended)."""
+        self._depth = max(0, self._depth - 1)
+        return self._depth == 0
+
+    def reset(self) -> None:
+        """An iteration begins: a step that raised left its count behind."""
+        self._depth = 0
+
+    def ended(self) -> None:
+        """The iteration ended: no step runs."""
+        self.in_step = False

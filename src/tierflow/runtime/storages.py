@@ -659,7 +659,7 @@ class StorageTracking:
 
     def _hooks_off_for_iteration(self) -> None:
         """A followed iteration runs without our saved-tensor hooks (the trace left out
-        the ops they cause: ``Profiling._drop_hook_ops``). NOTE: in such an iteration the
+        the ops they cause: ``ProfileRecord._drop_hook_ops``). NOTE: in such an iteration the
         hooks do nothing (the follower labels what the plan needs by binding) but cost a
         Python call per saved tensor and, per unpack, an autograd ``detach`` through the
         dispatch mode (45 of the 543 ops of gpt-tiny's profiled step). Taken off only when they are the only hooks on
