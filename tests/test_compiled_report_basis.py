@@ -66,3 +66,17 @@ def test_a_moved_tangent_is_off_the_planned_peak():
     curve[t.last_early_use + 1 : t.first_late_use] -= t.bytes
     curve[t.last_use + 1 :] -= t.bytes
     assert g["predicted_peak_bytes_planned"] == int(curve.max()) < held
+
+
+def test_the_floor_takes_a_storage_group_off_whole_and_is_no_higher_than_the_planned_peak():
+    from test_compiled_floor import _train as train_qkv
+    from tierflow.compiled.plan import floor_curve
+
+    run = train_qkv("10%", steps=1)[2]
+    (rec,) = run.records
+    (g,) = run.stats.compiled_graphs
+    groups = {s.group for s in rec.real.saved if s.group}
+    assert groups and g["offloaded"] > 0
+    # every view of an offloaded group leaves with it: the floor (all movable moved) is
+    # at most what the plan left (HF GPT-2 4L: 94.3 MiB against 78.3 with the first view's alone)
+    assert g["floor_bytes"] == int(floor_curve(rec.real).max()) <= g["predicted_peak_bytes_planned"]

@@ -175,13 +175,13 @@ def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool
         move_tangents: count received gradients read early and late as moved
             (:func:`movable_tangents`), as :func:`plan_graph` may.
     """
-    off = [g[0] for g in _storages(facts, min_bytes).values()]
-    if move_grads:
-        off += [g for g in facts.grads if g.offloadable and g.bytes >= min_bytes
-                and g.first_bwd_use - g.last_fwd_use > 1]
     curve = facts.curve.copy()
-    for s in off:
-        curve[s.last_fwd_use + 1 : s.first_bwd_use] -= s.bytes
+    for group in _storages(facts, min_bytes).values():
+        _drop(curve, group)  # (a storage group's every view: its first view's bytes alone left 4 MiB per GPT-2 layer)
+    if move_grads:
+        for g in facts.grads:
+            if g.offloadable and g.bytes >= min_bytes and g.first_bwd_use - g.last_fwd_use > 1:
+                curve[g.last_fwd_use + 1 : g.first_bwd_use] -= g.bytes
     for t in movable_tangents(facts, min_bytes) if move_tangents else ():
         _drop_tangent(curve, t)
     return curve
