@@ -17,8 +17,14 @@ components, each the one writer of its state: docs/runtime.md, "Front-ends and b
   device, the host pool and the SSD file and retires finished copies and writes; the
   ``Moves`` mixin: room within the budget, inputs made resident.
 - :mod:`.follow`: ``Follower``, the component that follows a plan op by op (the moves
-  after each op, planned prefetches waiting for room); the ``PlanFollowing`` mixin: the
-  plan's move table and pool layout, victims for the pager, the move probe.
+  after each op, planned prefetches waiting for room); the ``PlanFollowing`` mixin: a
+  plan's move table and pool layout made (returned, for its ``FollowedPlan``), victims
+  for the pager, the move probe.
+- :mod:`.followed_plan`: ``FollowedPlan``, the plan being followed as one record (its
+  trace, plan, machine model, move table, layout, retimer, recomputer, per-op tables):
+  made by ``Profiling._make_plan``, kept per signature by :mod:`.signatures`' plan
+  cache, made the run's by ``Run._take_plan`` alone (``Run`` keeps aliases of its fields
+  for the lean path).
 - :mod:`.profiling`: the profiled iteration to a trace, the plan and its prediction,
   the minimum-working-set check. Components it asks: :mod:`.profile_record`
   (``ProfileRecord``: the profiled iteration's ops, their times, what the loop held),

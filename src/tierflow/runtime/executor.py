@@ -70,6 +70,7 @@ from .backend import backend_for, sized_by
 from .collectives import InFlight
 from .errors import OffloadError, SSDError
 from .follow import Follower, PlanFollowing
+from .followed_plan import FollowedPlan
 from .homecoming import bring_home
 from .host_costs import measure_host_costs
 from .host_step import HostSteps
@@ -85,7 +86,7 @@ from .profile_schedule import ProfileSchedule
 from .profiling import Profiling
 from .recompute import Recomputer, rng_states
 from .retime import Retimer
-from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore, signature_of, snapshot
+from .signatures import DEFAULT_MAX_PLANS, PlanCache, restore_stats, signature_of, snapshot
 from .stats import RunStats
 from .step_clock import StepClock, StepNesting
 from .storages import (
@@ -276,6 +277,10 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         self._layout: dict[tuple[int, int, str], int] = {}  # planned pool/file offsets
         self.plan: Plan | None = None
         self.hardware: Hardware | None = None
+        # the plan being followed, one record (runtime/followed_plan.py): None until the
+        # first plan; the attributes above and the per-op tables are its fields, set by
+        # _take_plan only
+        self._followed: FollowedPlan | None = None
         # CPU mode: the plan's first followed iterations timed, its prediction made again
         # from them (runtime/retime.py); _timing: this iteration is (the lean path reads it)
         self._retimer = Retimer.idle()
@@ -497,9 +502,11 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             # NOTE: host steps own live state (master copies, the state on the host,
             # hooks): given up for the plan being left, taken up again for the one restored
             self._host_release()
-            restore(self, cache.plans[sig])
+            cached = cache.plans[sig]
+            self._take_plan(cached.state)
+            restore_stats(self.stats, cached)
             if self.plan.host_steps:
-                self._adopt_host_steps(self.trace, self.plan)
+                self._adopt_host_steps()
             if not self._dominated:
                 cache.followed(sig)
             cache.switch(sig)
@@ -512,6 +519,21 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             self._pager_iteration = True
             self._schedule.after_pager()  # (the next planned iteration restores its start state)
             st.reactive_signature_steps += 1
+
+    def _take_plan(self, fp: FollowedPlan) -> None:
+        """Follow ``fp`` from now on (a plan just made, or one the plan cache kept). The
+        one writer of the plan's attributes: each is a field of ``fp``, kept on ``self``
+        because the lean path reads them on every op (one lookup, not two)."""
+        self._followed = fp
+        self.trace, self.plan, self.hardware, self.prediction = fp.trace, fp.plan, fp.hardware, fp.prediction
+        self._hook, self._layout, self._actions, self._start_away = fp.hook, fp.layout, fp.actions, fp.start_away
+        self._external_tids, self._held_baseline, self._held_reserve = (fp.external_tids, fp.held_baseline,
+                                                                        fp.held_reserve)
+        self._retimer, self._recomputer = fp.retimer, fp.recomputer
+        self._n_ops, self._n_tensors, self._funcs, self._out_sizes = fp.n_ops, fp.n_tensors, fp.funcs, fp.out_sizes
+        self._bind_in, self._bind_out, self._op_labels = fp.bind_in, fp.bind_out, fp.op_labels
+        self._next_op, self._has_moves, self._key_tid, self._born = fp.next_op, fp.has_moves, fp.key_tid, fp.born
+        self._optab = fp.optab
 
     def _plan_for_signature(self, trace: Trace) -> bool:
         """Plan from ``trace`` (see ``_make_plan``) for the current signature and cache

@@ -35,6 +35,14 @@ def _uncapped(hw: Any) -> Any:
     return hw
 
 
+def _runtime_tier(hw: Any, name: str | None) -> str:
+    """The runtime tier (``host`` or ``ssd``) for tier ``name`` of machine model ``hw``
+    (None, or a name ``hw`` has not: ``host``)."""
+    if name is None or hw is None or not hw.has_tier(name):
+        return "host"
+    return "ssd" if hw.tier(name).kind == "ssd" else "host"
+
+
 def _next_uses(uses: list[list[int]], n_ops: int, tids: list[int], persistent: list[bool],
                now: int) -> list[float]:
     """For each trace tensor id in ``tids`` (-1: not in the trace), the first op after
@@ -58,8 +66,8 @@ class Follower:
     ``departures``.
 
     The per-op table is the plan's (``Run._actions``, made by
-    :meth:`PlanFollowing._move_table` and swapped with the rest of the plan by the plan
-    cache): it is an argument of :meth:`fire`, not the follower's state.
+    :meth:`PlanFollowing._move_table`, a field of the followed plan's record,
+    runtime/followed_plan.py): it is an argument of :meth:`fire`, not the follower's state.
 
     Args:
         storages: the storage records (``StorageTable``): tensors are found by key or by
@@ -274,16 +282,12 @@ class PlanFollowing:
             return 0.0  # (a move was refused, the host pool full: nothing measured)
         return elapsed / moved
 
-    def _set_move_table(self, trace: Trace, plan: Any) -> None:
-        """The plan's moves become the ones fired after each op (:meth:`_move_table`);
-        prefetches a previous plan queued are forgotten."""
-        self._actions = self._move_table(trace, plan)
-        self._follower.forget_pending()
-
-    def _move_table(self, trace: Trace, plan: Any) -> list[tuple]:
+    def _move_table(self, trace: Trace, plan: Any, hw: Any, layout: dict[tuple[int, int, str], int]
+                    ) -> list[tuple]:
         """Per op, the moves after it as ``(evict?, tensor id, key, runtime tier, planned
         slot)``: persistent tensors are found by key, the rest by their bound id; the
-        tier and the pool layout's offset are looked up once, not per move."""
+        tier (by ``hw``, the plan's machine model) and the offset in ``layout`` (the
+        plan's, :meth:`_lay_out`) are looked up once, not per move."""
         table: list[tuple] = [()] * trace.n_ops
         for op, moves in plan.by_op.items():
             if not 0 <= op < trace.n_ops:
@@ -291,9 +295,9 @@ class PlanFollowing:
             acts = []
             for m in moves:
                 info = trace.tensors[m.tensor]
-                rt = self._tier_of(m.tier)
+                rt = _runtime_tier(hw, m.tier)
                 acts.append((m.kind == "evict", m.tensor, (info.key or "") if info.persistent else None, rt,
-                             self._layout.get((m.tensor, op + 1, rt)) if m.kind == "evict" else None))
+                             layout.get((m.tensor, op + 1, rt)) if m.kind == "evict" else None))
             table[op] = tuple(acts)
         if not plan.reactive:
             # NOTE: a gradient lives until zero_grad, past its last use, which the trace
@@ -335,17 +339,13 @@ class PlanFollowing:
         self._use_lists_of = (trace, lists)
         return lists
 
-    def _plan_layout(self, trace: Trace, plan: Any, hw: Any) -> None:
-        """Offsets in the host pool and the SSD file for every stay a planned plan puts
-        there (``self._layout``), laid out ahead of time by the pool planner
-        (``tierflow.pool``, greedy: it is fast and deterministic) so that the pool's
-        layout follows the plan's lifetimes instead of the order moves happen to arrive
-        in. Keyed by (tensor, first op of the stay, runtime tier). A reactive plan has no
-        planned residency."""
-        self._layout = self._lay_out(trace, plan, hw)
-
     def _lay_out(self, trace: Trace, plan: Any, hw: Any) -> dict[tuple[int, int, str], int]:
-        """:meth:`_plan_layout`'s offsets, and the span each tier needs (``_layout_need``)."""
+        """Offsets in the host pool and the SSD file for every stay a planned plan puts
+        there, laid out ahead of time by the pool planner (``tierflow.pool``, greedy: it
+        is fast and deterministic) so that the pool's layout follows the plan's
+        lifetimes instead of the order moves happen to arrive in. Keyed by (tensor, first
+        op of the stay, runtime tier). A reactive plan has no planned residency. Sets the
+        span each tier needs (``_layout_need``, read by :meth:`_fit_tiers`)."""
         if plan.reactive:
             return {}
         from ..pool import from_trace, solve
@@ -357,7 +357,7 @@ class PlanFollowing:
         self._layout_need = {}  # runtime tier -> (bytes the layout spans, its largest slot)
         free = _uncapped(hw)  # (a plan over a tier's capacity is laid out too: _fit_tiers says so)
         for tier in hw.offload_tiers:
-            rt = self._tier_of(tier)
+            rt = _runtime_tier(hw, tier)
             if rt not in arenas:
                 continue
             try:
@@ -374,48 +374,50 @@ class PlanFollowing:
             self._layout_need[rt] = (span, largest)
         return layout
 
-    def _fit_tiers(self, trace: Trace, plan: Any) -> None:
+    def _fit_tiers(self, trace: Trace, plan: Any, hw: Any, layout: dict[tuple[int, int, str], int]
+                   ) -> dict[tuple[int, int, str], int]:
         """Make the tiers hold what the plan needs there before the first iteration that
         follows it: a planned plan, its layout's span in the host pool and the SSD file
         (grown to now); a reactive one, at least what must leave the device at the
         iteration's peak (the pool grows as it evicts). A need above what the tiers may
         grow to raises :class:`OffloadError` here, at planning, with the model and
-        optimizer whole (planning runs after the profiled step has finished).
+        optimizer whole (planning runs after the profiled step has finished). Returns the
+        plan's ``layout`` (from :meth:`_lay_out`) placed in the pool's chunk that holds it.
 
         Raises:
             OffloadError: the host pool (and the SSD file, where there is one) cannot hold
                 what the plan needs.
         """
         pool, ssd = self._tiers.host, self._tiers.ssd
-        layout = getattr(self, "_layout_need", {})
+        need_of = getattr(self, "_layout_need", {})
         if plan.reactive:
             room = plan.budget_bytes if math.isfinite(plan.budget_bytes) else self.budget  # (less what the loop holds)
             need = int(trace.peak_live_bytes - room) if math.isfinite(room) else 0
             largest, ssd_need = 0, 0
             fits = need <= pool.limit + (ssd.limit if ssd is not None else 0)
         else:
-            need, largest = layout.get("host", (0, 0))
-            need = max(need, self._planned_host_bytes(trace, plan))
-            ssd_need = layout.get("ssd", (0, 0))[0]
+            need, largest = need_of.get("host", (0, 0))
+            need = max(need, self._planned_host_bytes(trace, plan, hw))
+            ssd_need = need_of.get("ssd", (0, 0))[0]
             # (what the host cannot hold spills to an SSD tier, where there is one)
             fits = need <= pool.limit or ssd is not None
         if fits:
             if need <= pool.limit and not pool.fixed:
                 pool.reserve(need, largest)
-            span = layout.get("host", (0, 0))[0] if not plan.reactive else 0
+            span = need_of.get("host", (0, 0))[0] if not plan.reactive else 0
             base = pool.chunk_holding(span) if span and span <= pool.limit else None
             if base:
                 # the pool planner lays the plan's stays out from offset 0 of one arena;
                 # the pool is chunks, and a slot cannot straddle two: the layout goes
                 # where one chunk holds all of it
-                self._layout = {k: off + base if k[2] == "host" else off for k, off in self._layout.items()}
+                layout = {k: off + base if k[2] == "host" else off for k, off in layout.items()}
             if ssd is not None and ssd_need > ssd.capacity and not ssd.reserve(ssd_need):
                 raise OffloadError(
                     f"offload: {plan.policy}'s plan needs {fmt_bytes(ssd_need)} ({ssd_need} bytes) in the SSD file, "
                     f"but it may grow to {fmt_bytes(ssd.limit)} in {ssd.dir}: free space there, pass a larger "
                     "budget, or a larger ssd_bytes")
             self._mover.tiers_sized()
-            return
+            return layout
         what = "to keep" if not plan.reactive else "at least"
         where = "in the host pool" if not plan.reactive else "off the device"
         if pool.fixed:
@@ -442,18 +444,18 @@ class PlanFollowing:
         moment."""
         return self._tiers.agree_limits(self._sync.min if self._sync is not None else None)
 
-    def _planned_host_bytes(self, trace: Trace, plan: Any) -> int:
+    def _planned_host_bytes(self, trace: Trace, plan: Any, hw: Any) -> int:
         """The most bytes a planned plan keeps on its host tiers at once, by the
         validator's residency, less its host steps' buffers (those live beside the
         pool: runtime/host_step.py). 0 where the plan does not validate."""
         from ..plan import validate
 
         try:
-            residency = validate(plan, trace, _uncapped(self.hardware))
+            residency = validate(plan, trace, _uncapped(hw))
         except TierflowError:
             return 0
-        hosts = [t.name for t in self.hardware.tiers if t.name != self.hardware.device
-                 and self._tier_of(t.name) == "host" and t.name in residency.tier_bytes]
+        hosts = [t.name for t in hw.tiers if t.name != hw.device
+                 and _runtime_tier(hw, t.name) == "host" and t.name in residency.tier_bytes]
         if not hosts:
             return 0
         held = sum(sum(trace.tensors[s].bytes for s in h.state) + trace.tensors[h.grad].bytes
@@ -462,8 +464,7 @@ class PlanFollowing:
         return max(peak - held, 0)
 
     def _tier_of(self, name: str | None) -> str:
-        """The runtime tier (``host`` or ``ssd``) for a plan's tier name."""
-        if name is None or self.hardware is None or not self.hardware.has_tier(name):
-            return "host"
-        return "ssd" if self.hardware.tier(name).kind == "ssd" else "host"
+        """The runtime tier (``host`` or ``ssd``) for a plan's tier name, by the machine
+        model of the plan followed."""
+        return _runtime_tier(self.hardware, name)
 

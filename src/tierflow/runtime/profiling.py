@@ -28,6 +28,7 @@ from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
+from .followed_plan import FollowedPlan
 from .host_step import follow_past_host_ops
 from .retime import Retimed, Retimer
 from .storages import (
@@ -154,8 +155,10 @@ class Profiling:
         # keeps that much of the budget free (see _make_plan)
         used = {id(e) for e in self._iter_entries}
         held_then = self._recorder.take_held()
-        self._held_baseline = sum(e.nbytes for e in held_then)
-        self._held_reserve = sum(e.nbytes for e in held_then if id(e) not in used)
+        # (bytes held, and of those the ones the trace does not have: handed to the plan
+        # made from this trace, like _trace_sigs_next, which keeps them: FollowedPlan)
+        self._profiled_held = (sum(e.nbytes for e in held_then),
+                               sum(e.nbytes for e in held_then if id(e) not in used))
         # the recorded ops with their best times, less those our saved-tensor hooks
         # caused (runtime/profile_record.py)
         recorded = self._recorder.finish()
@@ -236,8 +239,8 @@ class Profiling:
         # go when its Work completes): every rank holds each tensor as long as the rank
         # that held it longest, and keeps free the most any rank's loop holds
         held = sync.slowest([float(-1 if t.held_until is None else t.held_until) for t in trace.tensors]
-                            + [float(self._held_reserve)])
-        self._held_reserve = int(held[-1])
+                            + [float(self._profiled_held[1])])
+        self._profiled_held = (self._profiled_held[0], int(held[-1]))
         tensors = tuple(replace(t, held_until=int(h) if h >= 0 else None) for t, h in zip(trace.tensors, held))
         return Trace(ops, tensors, name=trace.name,
                      meta=dict(trace.meta, timing=f"measured, slowest of {sync.world_size} ranks"))
@@ -321,16 +324,27 @@ class Profiling:
             return None, f"a segment needs {fmt_bytes(need)}, over the budget"
         return coarse, None
 
-    def _adopt_host_steps(self, trace: Trace, plan: Plan) -> None:
+    def _host_step_tables(self, trace: Trace, plan: Plan, actions: list) -> tuple[list[int], list[bool]]:
         """Take up ``plan``'s host steps (runtime/host_step.py); where they cannot be
-        executed the plan is followed without them and ``stats.plan_error`` says why."""
+        executed the plan is followed without them and ``stats.plan_error`` says why.
+        Returns the follower's order (the op after each) and which ops have moves after
+        them; ``actions`` (the plan's move table) is changed in place where the host runs
+        ops: their moves go to the device op before."""
         why, host_ops = self._host_adopt(trace, plan)
         if why is not None:
             self.stats.plan_error = why
-        if host_ops:  # the follower skips the ops the host runs, their moves to the device op before
-            self._next_op, moved = follow_past_host_ops(trace.n_ops, host_ops, self._actions)
-            self._actions[:] = moved  # (the follower's table, changed in place as the plan cache keeps it)
-            self._has_moves = [bool(a) for a in moved]
+        if not host_ops:
+            return list(range(1, trace.n_ops + 1)), [bool(a) for a in actions]
+        next_op, moved = follow_past_host_ops(trace.n_ops, host_ops, actions)
+        actions[:] = moved  # (the plan's table, changed in place: the plan cache keeps it)
+        return next_op, [bool(a) for a in moved]
+
+    def _adopt_host_steps(self) -> None:
+        """The followed plan's host steps taken up again (a cached plan restored): the
+        plan with its follower's order past them."""
+        fp = self._followed
+        next_op, has_moves = self._host_step_tables(fp.trace, fp.plan, fp.actions)
+        self._take_plan(replace(fp, next_op=next_op, has_moves=has_moves))
 
     def _adopt_retimed(self, r: Retimed) -> None:
         """The plan's prediction made again from its first followed iterations (see
@@ -339,7 +353,7 @@ class Profiling:
         self.stats.predicted_step_time_s = r.prediction.time_s
         self.stats.ideal_step_time_s = r.trace.ideal_s
         self.stats.outside_handler_s = r.outside_s
-        self.trace, self.hardware, self.prediction = r.trace, r.hardware, r.prediction
+        self._take_plan(replace(self._followed, trace=r.trace, hardware=r.hardware, prediction=r.prediction))
 
     def _make_plan(self, trace: Trace, own_host_steps: bool = True) -> bool:
         """Plan from ``trace``; False if the trace cannot be planned from yet (the
@@ -369,7 +383,7 @@ class Profiling:
             self.stats.untracked_device_bytes = untracked
             # So is, for the plan, what the loop holds beside the iteration (see
             # _build_trace); the runtime counts those storages itself.
-            held = self._held_reserve
+            held = self._profiled_held[1]
             if held:
                 # a plan fills its budget to the byte: a loop that keeps its batches holds
                 # more as it meets new ones, so this much more is left for them before
@@ -405,17 +419,16 @@ class Profiling:
             coarse = None
             self.stats.plan_error = None
             plan = self._policy_plan(trace, hw, plan_budget, budget, own_host_steps=own_host_steps)
-        self._hook = None
+        hook = None
         self.stats.follow = "hooks" if coarse is not None else "ops" + (f" ({why})" if why else "")
         sigs = self._trace_sigs_next
         if coarse is not None:
             from .hook_follow import HookFollower, coarse_sigs
 
             sigs = coarse_sigs(coarse, sigs)
-            self._hook = HookFollower(self, coarse, list(trace.meta.get("ticks", ())), plan)
+            hook = HookFollower(self, coarse, list(trace.meta.get("ticks", ())), plan)
             trace = coarse.trace
-        self._external_tids = frozenset(t.id for t in trace.tensors if t.external)
-        self._start_away: dict[str, str] = {}
+        start_away: dict[str, str] = {}
         if not plan.reactive:
             try:
                 residency = validate(plan, trace, hw)
@@ -435,72 +448,79 @@ class Profiling:
                     key = trace.tensors[tid].key
                     coming = tid in last and last[tid].kind == "prefetch"
                     if tier != hw.device and key and not coming:
-                        self._start_away[key] = self._tier_of(tier)
+                        # NOTE: the runtime tier by the machine model of the plan followed
+                        # until now (None at the first plan: "host"), as before the plan
+                        # became one record
+                        start_away[key] = self._tier_of(tier)
         try:
             sim = simulate(trace, hw, plan, check_plan=False)
             self.stats.predicted_step_time_s = sim.time_s if math.isfinite(sim.time_s) else None
-            self.prediction = sim  # the simulator's view of the plan, for reports
+            prediction = sim  # the simulator's view of the plan, for reports
         except TierflowError:
             self.stats.predicted_step_time_s = None
-            self.prediction = None
+            prediction = None
         self.stats.ideal_step_time_s = trace.ideal_s
         self.stats.policy = plan.policy
         from .distributed import plan_digest
 
         self.stats.plan_digest = plan_digest(plan)
         self.stats.replans += 1
-        self.trace, self.plan, self.hardware = trace, plan, hw
         # CPU mode: the prediction again from the first followed iterations (runtime/retime.py),
         # where this run's machine model is its own; not where the plan is followed at ticks
         # (its op-by-op timing has no ops to time)
         due = (not self._cuda and self._hardware_arg is None and not plan.reactive
-               and self.stats.predicted_step_time_s is not None and self._hook is None)
-        self._retimer = Retimer(trace, hw, plan, due)
+               and self.stats.predicted_step_time_s is not None and hook is None)
+        retimer = Retimer(trace, hw, plan, due)
         self.stats.predicted_step_time_s_at_plan = self.stats.predicted_step_time_s
-        self._plan_layout(trace, plan, hw)
-        self._fit_tiers(trace, plan)  # (OffloadError where the host cannot hold the plan)
+        layout = self._lay_out(trace, plan, hw)
+        layout = self._fit_tiers(trace, plan, hw, layout)  # (OffloadError where the host cannot hold the plan)
         # the follower's per-op tables (see executor._follow_op, _bind, _check_outs)
-        self._n_ops, self._n_tensors = len(sigs), trace.n_tensors
-        self._funcs = [f for f, *_ in sigs]
+        funcs = [f for f, *_ in sigs]
         # (collectives: the general path; a merged segment has no op: runtime/hook_follow.py)
-        self._fast_funcs = [None if f is None or _op_kind(f, _op_name(f)) else f for f in self._funcs]
-        self._out_sizes = [out_sizes for *_, out_sizes in sigs]
-        self._flat_args = [f is not None and _flat_tensor_args(f) for f in self._fast_funcs]
-        self._write_spots = [_write_spots(f) if f is not None else () for f in self._fast_funcs]
+        fast_funcs = [None if f is None or _op_kind(f, _op_name(f)) else f for f in funcs]
+        out_sizes = [out_sizes for *_, out_sizes in sigs]
+        flat_args = [f is not None and _flat_tensor_args(f) for f in fast_funcs]
+        write_spots = [_write_spots(f) if f is not None else () for f in fast_funcs]
         if math.isfinite(self.budget) or plan.moves or plan.recomputes or plan.host_steps:
             # (a temporary the plan moves is bound too: _fire moves it by its trace id)
             named = {t for r in plan.recomputes for t in r.tensors}
             named |= {m.tensor for m in plan.moves if not trace.tensors[m.tensor].persistent}
-            self._bind_in, self._bind_out = _bindings(trace, sigs, named)
+            bind_in, bind_out = _bindings(trace, sigs, named)
         else:  # no budget and nothing planned: no tensor will ever be moved or ranked, so
             # none is identified (a departure is still caught by op and result sizes)
-            self._bind_in = self._bind_out = [None] * len(sigs)
-        self._recomputer = self._recomputer.for_plan(trace, plan)  # its chains (runtime/recompute.py)
-        levers_at = self._recomputer.levers_at
+            bind_in = bind_out = [None] * len(sigs)
+        recomputer = self._recomputer.for_plan(trace, plan)  # its chains (runtime/recompute.py)
+        levers_at = recomputer.levers_at
         # ops whose results are views, with nothing of theirs bound: the lean path skips
         # their results (same storages as their arguments, no bytes)
-        self._views_only = [f is not None and _returns_views(f) and b is None and not self._write_spots[i]
-                            for i, (f, b) in enumerate(zip(self._fast_funcs, self._bind_out))]
-        self._op_labels = [f"{o.name}#{i}" for i, o in enumerate(trace.ops)]
-        self._set_move_table(trace, plan)  # (and no prefetch of the last plan left queued)
-        self._has_moves = [bool(a) for a in self._actions]
-        self._next_op = list(range(1, trace.n_ops + 1))  # the op after each (host steps skip theirs)
-        self._key_tid = {t.key: t.id for t in trace.tensors if t.persistent and t.key}
+        views_only = [f is not None and _returns_views(f) and b is None and not write_spots[i]
+                      for i, (f, b) in enumerate(zip(fast_funcs, bind_out))]
+        actions = self._move_table(trace, plan, hw, layout)
+        self._follower.forget_pending()  # (no prefetch of the last plan left queued)
         born = [0] * (trace.n_ops + 1)
         for t in trace.tensors:
             if not t.persistent and not t.external:  # (an external tensor is there before op 0)
                 born[int(trace.birth[t.id])] += t.bytes
-        self._born = born
         if self._chunker is not None:
             self.stats.optimizer_chunks = self._chunker.chunks
-        self._adopt_host_steps(trace, plan)  # the plan's host steps, if any (runtime/host_step.py)
+        held_baseline, held_reserve = self._profiled_held
+        # the plan's host steps, if any (runtime/host_step.py); the moves after an op the
+        # host runs move to the op before
+        next_op, has_moves = self._host_step_tables(trace, plan, actions)
         # ops the lean path only runs: metadata over a storage, nothing planned there
-        # (after the host steps: the moves after an op the host runs move to the op before)
-        self._trivial = [f in METADATA_ONLY and self._bind_in[i] is None and self._bind_out[i] is None
-                         and not levers_at[i] and not self._has_moves[i] and not born[i]
-                         for i, f in enumerate(self._fast_funcs)]
-        # the lean path's per-op row (executor._follow_op), in its order
-        self._optab = list(zip(self._fast_funcs, self._trivial, self._next_op, self._flat_args, self._bind_in,
-                               levers_at, born, self._views_only, self._out_sizes, self._write_spots,
-                               self._bind_out, self._has_moves))
+        trivial = [f in METADATA_ONLY and bind_in[i] is None and bind_out[i] is None
+                   and not levers_at[i] and not has_moves[i] and not born[i]
+                   for i, f in enumerate(fast_funcs)]
+        self._take_plan(FollowedPlan(
+            trace=trace, plan=plan, hardware=hw, prediction=prediction, hook=hook, layout=layout,
+            actions=actions, start_away=start_away,
+            external_tids=frozenset(t.id for t in trace.tensors if t.external),
+            held_baseline=held_baseline, held_reserve=held_reserve, retimer=retimer, recomputer=recomputer,
+            n_ops=len(sigs), n_tensors=trace.n_tensors, funcs=funcs, out_sizes=out_sizes, bind_in=bind_in,
+            bind_out=bind_out, op_labels=[f"{o.name}#{i}" for i, o in enumerate(trace.ops)], next_op=next_op,
+            has_moves=has_moves, key_tid={t.key: t.id for t in trace.tensors if t.persistent and t.key},
+            born=born,
+            # the lean path's per-op row (executor._follow_op), in its order
+            optab=list(zip(fast_funcs, trivial, next_op, flat_args, bind_in, levers_at, born, views_only,
+                           out_sizes, write_spots, bind_out, has_moves))))
         return True

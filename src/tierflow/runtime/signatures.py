@@ -38,16 +38,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-#: The executor's attributes that make up a plan being followed: the trace, the plan,
-#: the machine model and every per-op table built from them. A cached plan is these
-#: references (the tables are rebuilt, never changed in place, when a plan is made).
-PLAN_STATE = (
-    "trace", "plan", "hardware", "prediction", "_hook", "_layout", "_start_away", "_external_tids",
-    "_n_ops", "_n_tensors", "_funcs", "_fast_funcs", "_out_sizes", "_flat_args", "_write_spots",
-    "_bind_in", "_bind_out", "_views_only", "_op_labels", "_actions", "_has_moves", "_next_op",
-    "_key_tid", "_born", "_trivial", "_optab", "_recomputer", "_held_baseline", "_held_reserve", "_retimer",
-)
-#: ... and the figures the run reports about the plan it follows.
+#: The figures the run reports about the plan it follows, kept with each cached plan.
 PLAN_STATS = ("predicted_step_time_s", "predicted_step_time_s_at_plan", "ideal_step_time_s", "policy",
               "plan_digest", "follow", "held_device_bytes", "plan_error")
 
@@ -118,9 +109,10 @@ def _elements(sig: Hashable) -> int:
 
 @dataclass
 class CachedPlan:
-    """One signature's plan: the executor's plan state (:data:`PLAN_STATE`) and stats."""
+    """One signature's plan: the plan as the executor follows it (a
+    :class:`~.followed_plan.FollowedPlan`) and its figures (:data:`PLAN_STATS`)."""
 
-    state: dict[str, Any]
+    state: Any
     stats: dict[str, Any]
     followed: int = 0  # iterations that began with it after it was made
 
@@ -217,19 +209,16 @@ class PlanCache:
 
 
 def snapshot(run: Any) -> CachedPlan:
-    """The plan ``run`` holds now."""
-    state = {k: getattr(run, k) for k in PLAN_STATE if hasattr(run, k)}
-    stats = {k: getattr(run.stats, k) for k in PLAN_STATS}
-    return CachedPlan(state, stats)
+    """The plan ``run`` follows now, and its figures."""
+    return CachedPlan(run._followed, {k: getattr(run.stats, k) for k in PLAN_STATS})
 
 
-def restore(run: Any, cached: CachedPlan) -> None:
-    """Make ``cached`` the plan ``run`` follows."""
-    for k, v in cached.state.items():
-        setattr(run, k, v)
+def restore_stats(stats: Any, cached: CachedPlan) -> None:
+    """Make ``cached``'s figures the ones ``stats`` reports (the plan itself is made the
+    run's by ``Run._take_plan``)."""
     for k, v in cached.stats.items():
-        setattr(run.stats, k, v)
+        setattr(stats, k, v)
 
 
-__all__ = ["CHURN_WINDOW", "DEFAULT_MAX_PLANS", "PLAN_STATE", "CachedPlan", "PlanCache", "dominates", "restore",
-           "signature_of", "snapshot"]
+__all__ = ["CHURN_WINDOW", "DEFAULT_MAX_PLANS", "PLAN_STATS", "CachedPlan", "PlanCache", "dominates",
+           "restore_stats", "signature_of", "snapshot"]
