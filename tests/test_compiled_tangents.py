@@ -16,12 +16,13 @@ import functools
 
 import torch
 from torch import fx, nn
-from torch.profiler import ProfilerActivity, profile
 
 import tierflow.compiled as tc
 import tierflow.compiled.frontend as frontend
-from tierflow.capture.check import _allocations
+from helpers import load_benchmark
 from tierflow.compiled.graph_trace import tangent_split
+
+_peak = load_benchmark("compiled").allocator_peak  # (the profiler's allocator peak, bytes above the step's start)
 
 aten = torch.ops.aten
 
@@ -62,16 +63,6 @@ def test_a_tangent_read_once_does_not_move() -> None:
     x = g.call_function(aten.mm.default, (t, w))
     g.output((g.call_function(aten.relu.default, (x,)),))
     assert tangent_split(t, {node: i for i, node in enumerate(g.nodes)}) is None
-
-
-def _peak(step) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    cur = peak = 0
-    for _, delta in sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree())):
-        cur += delta
-        peak = max(peak, cur)
-    return peak
 
 
 def _batches(vocab: int, seq: int, n: int) -> list[torch.Tensor]:
