@@ -98,3 +98,23 @@ def test_a_plan_that_cannot_be_fitted_leaves_the_followed_plan_whole(monkeypatch
     assert run._followed is before
     for f in fields(FollowedPlan):
         assert getattr(run, _attr(f.name)) is getattr(before, f.name), f.name
+
+
+def test_the_first_plan_starts_its_ssd_tensors_on_the_ssd(tmp_path):
+    """The start state's tiers come from the plan's own machine model: ZeRO-Infinity with
+    ``device="nvme"`` starts its persistent tensors on the SSD from the first plan (they
+    were looked up in the previous plan's machine model, none at the first: "host")."""
+    from tierflow.capture import zoo
+
+    m = zoo.build("mlp-tiny", seed=0)
+    x, y = m.make_batch(4)
+    opt = torch.optim.AdamW(m.model.parameters(), lr=1e-3)
+    with offload(m.model, opt, budget="60%", policy="zero_infinity", ssd_dir=str(tmp_path),
+                 policy_options={"reduce_bucket_size": 1000, "device": "nvme"},
+                 hardware="h100-80g-pcie5-nvme") as run:
+        for _ in range(3):
+            m.loss_fn(m.model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert run.stats.plan_error is None and run.stats.replans == 1
+        assert run._start_away and set(run._start_away.values()) == {"ssd"}

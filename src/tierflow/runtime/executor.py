@@ -444,6 +444,8 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             self._collectives.clear()
         if errors and exc is None:
             raise SSDError("offload: could not bring every tensor back: " + "; ".join(errors[:3]))
+        if exc is None:
+            self._mover.raise_failure()  # (an SSD write of the last iteration, or after it)
 
     def _on_forward(self, module, args, kwargs=None):
         # a forward inside untracked(), or under no_grad / inference_mode between
@@ -456,6 +458,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
                 self.stats.outside_forwards = self._outside.forwards
             return
         if not self._in_iter:
+            self._mover.raise_failure()  # (an SSD write that failed between iterations)
             self._quiet = True
             try:
                 if self.plan is not None and not self._schedule.need_profile:
@@ -703,6 +706,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         # the iteration left, above a share budget after the unconstrained profile)
         self._ledger.clear_peak()
         self._recomputer.reset()  # (what a chain holds is released with the iteration)
+        self._mover.raise_failure()  # (a failed SSD write: the step is whole, counted in stats.steps)
 
     def _handle(self, func, args, kwargs, types=()):
         if not self._in_iter:  # (an op between iterations: the plan's start state is restored at _begin)

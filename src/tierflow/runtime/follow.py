@@ -463,8 +463,4 @@ class PlanFollowing:
         peak = int(np.sum([residency.tier_bytes[t] for t in hosts], axis=0).max()) if trace.n_ops else 0
         return max(peak - held, 0)
 
-    def _tier_of(self, name: str | None) -> str:
-        """The runtime tier (``host`` or ``ssd``) for a plan's tier name, by the machine
-        model of the plan followed."""
-        return _runtime_tier(self.hardware, name)
 

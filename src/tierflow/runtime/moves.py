@@ -114,6 +114,12 @@ class Mover:
         self._tiers, self._ledger, self._storages = tiers, ledger, storages
         self._collectives, self._stats, self._home = collectives, stats, home
         self.writes: list[_Entry] = []  # SSD writes in flight, oldest first
+        # NOTE: a failed SSD write is found when it is retired, which can be in the middle
+        # of any op (the optimizer's step among them: raised there, half the parameters
+        # would be updated). The tensor is back on the device by then, so the iteration
+        # can finish exactly; the first failure waits here for the executor to raise it
+        # where no op is half done (the iteration's end, the next forward, the block's exit).
+        self.failure: SSDError | None = None
 
     def _eviction_wait(self) -> None:
         self._tiers.copier.count_wait("eviction in flight")
@@ -282,6 +288,8 @@ class Mover:
                 if e.io is not None and not e.io.done():
                     tiers.copier.count_wait("write in flight")
                 self.finish_write(e, wait=True, keep_bounce=True)
+                if e.state == RESIDENT:  # the write failed: finish_write put it back on the device
+                    return
             elif e.state == AWAY:
                 e.bounce = self._bounce_alloc(n)
                 e.io = tiers.ssd.submit(False, e.bounce, e.slot, n)
@@ -322,7 +330,8 @@ class Mover:
 
     def finish_write(self, e: _Entry, wait: bool = False, keep_bounce: bool = False) -> None:
         """Retire an SSD write: release its bounce slot, or on failure put the tensor back
-        on the device from the bounce copy and raise :class:`SSDError`."""
+        on the device from the bounce copy and keep the :class:`SSDError` for
+        :meth:`raise_failure` (the first one)."""
         tiers = self._tiers
         assert tiers.ssd is not None
         if e.io is None or (not wait and not e.io.done()):
@@ -351,18 +360,25 @@ class Mover:
             self._storages.back_on_device(e)
         tiers.ssd.bounce.release(e.bounce, n)
         e.bounce, e.slot, e.state, e.tier = -1, -1, RESIDENT, None
-        raise SSDError(
-            f"SSD write of {e.label} ({fmt_bytes(n)}) to {tiers.ssd.path} failed: {err.strerror or err}; "
-            "it was restored to the device, model and optimizer state are intact"
-        )
+        if self.failure is None:
+            self.failure = SSDError(
+                f"SSD write of {e.label} ({fmt_bytes(n)}) to {tiers.ssd.path} failed: {err.strerror or err}; "
+                "it was restored to the device, model and optimizer state are intact"
+            )
+
+    def raise_failure(self) -> None:
+        """Raise the first SSD write that failed since the last call, if any (see
+        :meth:`finish_write`); the caller picks a point where no op is half done."""
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
 
     def drain_writes(self, raise_errors: bool = True) -> None:
+        """Retire every SSD write in flight; ``raise_errors``: then raise a failed one."""
         while self.writes:
-            try:
-                self.finish_write(self.writes[0], wait=True)
-            except SSDError:
-                if raise_errors:
-                    raise
+            self.finish_write(self.writes[0], wait=True)
+        if raise_errors:
+            self.raise_failure()
 
     def count(self, direction: str, tier: str, n: int) -> None:
         st = self._stats

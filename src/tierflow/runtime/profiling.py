@@ -28,6 +28,7 @@ from ..plan import Plan, validate
 from ..trace import Op, TensorInfo, Trace
 from ..units import fmt_bytes
 from .errors import BudgetError
+from .follow import _runtime_tier
 from .followed_plan import FollowedPlan
 from .host_step import follow_past_host_ops
 from .retime import Retimed, Retimer
@@ -448,10 +449,10 @@ class Profiling:
                     key = trace.tensors[tid].key
                     coming = tid in last and last[tid].kind == "prefetch"
                     if tier != hw.device and key and not coming:
-                        # NOTE: the runtime tier by the machine model of the plan followed
-                        # until now (None at the first plan: "host"), as before the plan
-                        # became one record
-                        start_away[key] = self._tier_of(tier)
+                        # NOTE: the runtime tier by this plan's machine model (it was
+                        # the previous plan's, None at the first plan: a tensor the plan
+                        # starts on the SSD started on the host)
+                        start_away[key] = _runtime_tier(hw, tier)
         try:
             sim = simulate(trace, hw, plan, check_plan=False)
             self.stats.predicted_step_time_s = sim.time_s if math.isfinite(sim.time_s) else None
