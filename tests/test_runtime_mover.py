@@ -5,9 +5,13 @@ and the bytes come back bitwise."""
 
 from __future__ import annotations
 
+import errno
+
+import pytest
 import torch
 
 from tierflow.runtime.collectives import InFlight
+from tierflow.runtime.errors import SSDError
 from tierflow.runtime.ledger import DeviceLedger
 from tierflow.runtime.moves import HomeTier, Mover
 from tierflow.runtime.stats import RunStats
@@ -74,53 +78,40 @@ def test_an_ssd_write_stays_in_flight_until_reaped_and_the_read_brings_the_bytes
         tiers.close()
 
 
-def test_a_failed_ssd_write_puts_the_bytes_back_and_waits_to_be_raised(tmp_path, monkeypatch):
+@pytest.fixture
+def full_ssd(tmp_path, monkeypatch):
+    """A mover whose every SSD write fails (ENOSPC), with one activation on the device."""
+    def enospc(self, buf, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SSDStore, "_pwrite", enospc)
+    mover, table, ledger, _, tiers = _mover(tmp_path)
+    t, e = _activation(table)
+    yield mover, ledger, t, t.clone(), e
+    tiers.close()
+
+
+def test_a_failed_ssd_write_puts_the_bytes_back_and_waits_to_be_raised(full_ssd):
     """A write found failed while retired (in the middle of some op) is not raised there:
     the tensor is back on the device, bitwise, and the error waits for raise_failure
     (runtime/executor.py calls it where no op is half done), once."""
-    import errno
-
-    import pytest
-
-    from tierflow.runtime.errors import SSDError
-
-    def enospc(self, buf, off):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(SSDStore, "_pwrite", enospc)
-    mover, table, ledger, _, tiers = _mover(tmp_path)
-    t, e = _activation(table)
-    want = t.clone()
-    try:
-        assert mover.evict(e, "ssd")
-        mover.reap(wait=True)  # (no raise here)
-        assert e.state == RESIDENT and torch.equal(t, want) and ledger.used == 4096
-        with pytest.raises(SSDError, match="No space left on device.*intact"):
-            mover.raise_failure()
-        mover.raise_failure()  # (raised once)
-    finally:
-        tiers.close()
+    mover, ledger, t, want, e = full_ssd
+    assert mover.evict(e, "ssd")
+    mover.reap(wait=True)  # (no raise here)
+    assert e.state == RESIDENT and torch.equal(t, want) and ledger.used == 4096
+    with pytest.raises(SSDError, match="No space left on device.*intact"):
+        mover.raise_failure()
+    mover.raise_failure()  # (raised once)
 
 
-def test_a_fetch_of_a_failed_write_in_flight_takes_the_bytes_put_back(tmp_path, monkeypatch):
+def test_a_fetch_of_a_failed_write_in_flight_takes_the_bytes_put_back(full_ssd):
     """A fetch that waits for its own write, which failed, finds the tensor back on the
     device: it is counted on the ledger once."""
-    import errno
-
-    def enospc(self, buf, off):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(SSDStore, "_pwrite", enospc)
-    mover, table, ledger, _, tiers = _mover(tmp_path)
-    t, e = _activation(table)
-    want = t.clone()
-    try:
-        assert mover.evict(e, "ssd") and mover.writes == [e]
-        mover.fetch(e)
-        assert e.state == RESIDENT and torch.equal(t, want) and ledger.used == 4096
-        assert mover.failure is not None
-    finally:
-        tiers.close()
+    mover, ledger, t, want, e = full_ssd
+    assert mover.evict(e, "ssd") and mover.writes == [e]
+    mover.fetch(e)
+    assert e.state == RESIDENT and torch.equal(t, want) and ledger.used == 4096
+    assert mover.failure is not None
 
 
 def test_an_ssd_eviction_without_an_ssd_tier_goes_to_the_host_and_is_counted():
