@@ -425,7 +425,7 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
             # they fit, else on the host (runtime/homecoming.py)
             self.stats.state_after_block = bring_home(self.model, self.optimizer, self.device, storages=self._storages,
                                                       mover=self._mover, ledger=self._ledger, errors=errors)
-            self._mover.drain_writes(raise_errors=False)
+            self._mover.drain_writes()
             self._tiers.copier.drain()
             self._mover.reap()
             if not self._in_iter and self._outside_ran:  # (validation after the last step)

@@ -373,12 +373,10 @@ class Mover:
         if failure is not None:
             raise failure
 
-    def drain_writes(self, raise_errors: bool = True) -> None:
-        """Retire every SSD write in flight; ``raise_errors``: then raise a failed one."""
+    def drain_writes(self) -> None:
+        """Retire every SSD write in flight (a failed one waits for :meth:`raise_failure`)."""
         while self.writes:
             self.finish_write(self.writes[0], wait=True)
-        if raise_errors:
-            self.raise_failure()
 
     def count(self, direction: str, tier: str, n: int) -> None:
         st = self._stats
