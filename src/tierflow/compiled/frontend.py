@@ -319,11 +319,7 @@ def partition_peak(rec: PartitionRecord) -> int:
     moved = [saved[n] for n in rec.offloaded if n in saved]
     grads = {g.name: g for g in real.grads}
     moved += [grads[n] for n in rec.grads_offloaded if n in grads]
-    curve = curve_with(real, moved)
-    for t in real.tangents:  # a received gradient copied out between its readers
-        if t.name in rec.tangents_moved:
-            for lo, hi in t.off_device(len(curve)):
-                curve[lo:hi] -= t.bytes
+    curve = curve_with(real, moved, [t for t in real.tangents if t.name in rec.tangents_moved])
     for n, start in rec.prefetch_start.items():
         s = saved.get(n)
         if s is not None:

@@ -275,7 +275,6 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
         prefetch = prefetch_points(real, [outs[i].name for i in todo if outs[i].name in known], plan.target_bytes,
                                    **({} if ahead else {"bytes_per_s": math.inf}))  # (inf: each at its use)
         bwd_ops = [n for n in bwd.graph.nodes if n.op == "call_function"]
-        tokens: dict[str, fx.Node] = {}
         for i, order in todo.items():
             x = outs[i]
             val = x.meta["val"]
@@ -283,7 +282,6 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
             last_use = max(users, key=lambda u: position[u]) if users else x
             slot = self.slot_base + i
             tok = _insert_offload(fwd.graph, last_use, x, slot)
-            tokens[x.name] = tok
             outs[i] = tok
             p = bwd_placeholders[x.name]
             bwd_order = {n: k for k, n in enumerate(bwd.graph.nodes)}
@@ -294,7 +292,6 @@ class PlanPartitioner(_base_class()):  # type: ignore[misc]
             if after is None:  # nothing computed before its first use: no gap to save
                 outs[i] = x
                 fwd.graph.erase_node(tok)
-                del tokens[x.name]
                 continue
             if val.device.type not in self.prefetch_devices:
                 back = _insert_reload(bwd.graph, first, p, tok.meta["val"], after, order, val)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.backend import backend_for
+from ..runtime.backend import backend_for, inverse_order
 
 
 def _token(shape: torch.Size | list, ticket: int | None) -> torch.Tensor:
@@ -63,13 +63,6 @@ def _offload_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
     return _token(x.shape, None)
 
 
-def _inverse(order: list[int]) -> list[int]:
-    inv = [0] * len(order)
-    for i, d in enumerate(order):
-        inv[d] = i
-    return inv
-
-
 @torch.library.custom_op("tierflow::reload", mutates_args=())
 def reload(
     token: torch.Tensor, after: torch.Tensor, order: list[int], dtype: torch.dtype, device: torch.device
@@ -88,7 +81,7 @@ def _reload_fake(
     token: torch.Tensor, after: torch.Tensor, order: list[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     shape = [token.shape[d] for d in order]
-    return torch.empty(shape, dtype=dtype, device=device).permute(_inverse(order))
+    return torch.empty(shape, dtype=dtype, device=device).permute(inverse_order(order))
 
 
 @torch.library.custom_op("tierflow::prefetch", mutates_args=())
@@ -113,7 +106,7 @@ def _prefetch_fake(
     token: torch.Tensor, after: torch.Tensor | None, order: list[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     shape = [token.shape[d] for d in order]
-    return torch.empty(shape, dtype=dtype, device=device).permute(_inverse(order))
+    return torch.empty(shape, dtype=dtype, device=device).permute(inverse_order(order))
 
 
 @torch.library.custom_op("tierflow::wait", mutates_args=("x",))

@@ -146,6 +146,13 @@ def _drop(curve: np.ndarray, group: list[SavedTensor]) -> None:
             curve[head.last_fwd_use + 1 : head.first_bwd_use] -= s.bytes
 
 
+def movable_grads(facts: GraphFacts, min_bytes: int = 1 << 16) -> list[SavedTensor]:
+    """The gradients a plan may move out inside the backward graph: offloadable, of
+    ``min_bytes`` or more, with at least one op in their gap."""
+    return [g for g in facts.grads
+            if g.offloadable and g.bytes >= min_bytes and g.first_bwd_use - g.last_fwd_use > 1]
+
+
 def movable_tangents(facts: GraphFacts, min_bytes: int = 1 << 16) -> list[HeldTangent]:
     """The received gradients a plan may move: offloadable, of ``min_bytes`` or more,
     with at least one op in their gap."""
@@ -179,9 +186,8 @@ def floor_curve(facts: GraphFacts, min_bytes: int = 1 << 16, *, move_grads: bool
     for group in _storages(facts, min_bytes).values():
         _drop(curve, group)  # (a storage group's every view: its first view's bytes alone left 4 MiB per GPT-2 layer)
     if move_grads:
-        for g in facts.grads:
-            if g.offloadable and g.bytes >= min_bytes and g.first_bwd_use - g.last_fwd_use > 1:
-                curve[g.last_fwd_use + 1 : g.first_bwd_use] -= g.bytes
+        for g in movable_grads(facts, min_bytes):
+            curve[g.last_fwd_use + 1 : g.first_bwd_use] -= g.bytes
     for t in movable_tangents(facts, min_bytes) if move_tangents else ():
         _drop_tangent(curve, t)
     return curve
@@ -219,8 +225,7 @@ def plan_graph(facts: GraphFacts, target_bytes: int | None, min_bytes: int = 1 <
     unreachable = False
     # NOTE: gradients after saved tensors: every moved gradient comes back in the
     # backward graph's last ops, where reloads cannot overlap anything.
-    grads = [g for g in facts.grads if move_grads and g.offloadable and g.bytes >= min_bytes
-             and g.first_bwd_use - g.last_fwd_use > 1]
+    grads = movable_grads(facts, min_bytes) if move_grads else []
     moved_grads: list[str] = []
     # NOTE: received gradients first: one held through a peak between two readers
     # costs the two copies an offload costs, and nothing can be recomputed instead.

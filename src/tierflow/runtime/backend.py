@@ -15,7 +15,7 @@ does the moving. Its interface is a few calls and a record:
 The host memory and the copies are the eager runtime's own components: a
 :class:`~tierflow.runtime.tier_set.Tiers` (its host pool, an arena of chunks pinned on
 CUDA, and its :class:`~tierflow.runtime.streams.Copier`, the side streams) reached
-through ``Tiers.host_slot`` / ``host_view`` / ``free_host_slot`` and ``Tiers.copier``.
+through ``Tiers.host_slot`` / ``host_view`` and ``Tiers.copier``.
 Each piece of state has one owner that writes it: the ``Tiers`` owns the pool's chunks
 and arena and the streams; :class:`HostSlots` owns which of its arena slots belong to
 which compiled slot and which are in use (it takes and gives back arena slots through
@@ -141,7 +141,8 @@ class HostSlots:
         return buf
 
 
-def _inverse(order: tuple[int, ...]) -> list[int]:
+def inverse_order(order: tuple[int, ...] | list[int]) -> list[int]:
+    """The permutation that undoes ``order`` (``t.permute(order).permute(inverse_order(order))`` is ``t``)."""
     inv = [0] * len(order)
     for i, d in enumerate(order):
         inv[d] = i
@@ -366,7 +367,7 @@ class Backend:
             KeyError: a ticket not started (or already finished).
         """
         arr = self._arriving[ticket]
-        return arr.tensor.permute(_inverse(arr.order))
+        return arr.tensor.permute(inverse_order(arr.order))
 
     def finish(self, ticket: int) -> torch.Tensor:
         """The tensor whose copy back :meth:`start` issued, once the compute stream
@@ -379,7 +380,7 @@ class Backend:
             arr = self._arriving.pop(ticket)
             self.stats.reloads += 1
         self.tiers.copier.wait(arr.event)
-        return arr.tensor.permute(_inverse(arr.order))
+        return arr.tensor.permute(inverse_order(arr.order))
 
     def outstanding(self) -> int:
         """Tickets put or started and not yet finished (a forward whose backward never ran)."""

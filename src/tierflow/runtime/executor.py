@@ -274,7 +274,6 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         self.stats = RunStats(budget_bytes=self.budget)
         self.trace: Trace | None = None
         self.prediction: Any = None  # SimResult of the plan being followed
-        self._layout: dict[tuple[int, int, str], int] = {}  # planned pool/file offsets
         self.plan: Plan | None = None
         self.hardware: Hardware | None = None
         # the plan being followed, one record (runtime/followed_plan.py): None until the
@@ -314,7 +313,6 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         self._untracked_seen = 0  # CUDA: most device bytes in use untracked, seen while profiling
         self._external_tids: frozenset[int] = frozenset()  # the plan's trace: external tensors
         self._held_baseline = 0  # bytes the loop held when the plan's iteration was profiled
-        self._held_reserve = 0  # of those, bytes the trace does not have: kept free by the plan
         self._untracked_base = 0  # CUDA: device bytes in use, untracked, when the block opened
         # the profiled iteration's ops, their times, what the loop held (runtime/profile_record.py)
         self._recorder = ProfileRecord(self.device)
@@ -529,9 +527,8 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
         because the lean path reads them on every op (one lookup, not two)."""
         self._followed = fp
         self.trace, self.plan, self.hardware, self.prediction = fp.trace, fp.plan, fp.hardware, fp.prediction
-        self._hook, self._layout, self._actions, self._start_away = fp.hook, fp.layout, fp.actions, fp.start_away
-        self._external_tids, self._held_baseline, self._held_reserve = (fp.external_tids, fp.held_baseline,
-                                                                        fp.held_reserve)
+        self._hook, self._actions, self._start_away = fp.hook, fp.actions, fp.start_away
+        self._external_tids, self._held_baseline = fp.external_tids, fp.held_baseline
         self._retimer, self._recomputer = fp.retimer, fp.recomputer
         self._n_ops, self._n_tensors, self._funcs, self._out_sizes = fp.n_ops, fp.n_tensors, fp.funcs, fp.out_sizes
         self._bind_in, self._bind_out, self._op_labels = fp.bind_in, fp.bind_out, fp.op_labels
@@ -963,14 +960,13 @@ class Run(StorageTracking, Moves, PlanFollowing, HostSteps, Profiling):
                 fix = True
         if binds is not None and not self._bind(i, binds, ins):
             return self._handle(func, args, kwargs)  # (stale now: the general path runs it)
-        # (levers: this op re-makes, records for, or drops a chain)
         if levers:  # (this op re-makes, records for, or drops a chain: runtime/recompute.py)
             rc = self._recomputer
             if rc.remakes[i]:  # recompute chains due before this op
                 rc.remake_before(i)
-            fix = True  # (a chain's replay may have moved an input)
-            # (and has re-made the dropped ones: no room to make for them again)
-            away = sum(e.nbytes for e in ins if e.state is not RESIDENT)
+                fix = True  # (a chain's replay may have moved an input)
+                # (and has re-made the dropped ones: no room to make for them again)
+                away = sum(e.nbytes for e in ins if e.state is not RESIDENT)
         need = away + born
         ledger = self._ledger
         if ledger.used + need > self.budget:

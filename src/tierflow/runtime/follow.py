@@ -96,11 +96,10 @@ class Follower:
         self.pending: deque[_Entry] = deque()  # planned prefetches waiting for room
         self.dead_held: deque[_Entry] = deque()  # gradients past their last use, still resident
 
-    def fire(self, actions: list[tuple], op: int, hints: bool = False, budget: float | None = None) -> None:
+    def fire(self, actions: list[tuple], op: int, hints: bool = False) -> None:
         """Issue the moves "after op ``op``" of the plan's per-op table ``actions`` (see
         :meth:`PlanFollowing._move_table`); ``hints``: a reactive plan's, prefetches that
-        make room. ``budget``: the room planned prefetches wait for, where not the run's
-        (the move probe's: unbounded)."""
+        make room."""
         entries, by_key, stats = self._storages.iter_entries, self._storages.by_key, self._stats
         for evict, tid, key, tier, slot in actions[op]:
             if evict is None:  # a gradient past its last use, held until zero_grad (see _move_table)
@@ -122,7 +121,7 @@ class Follower:
                 done = self._mover.evict(e, tier, slot)
             elif e.state is RESIDENT or e in self.pending:
                 done = False
-            elif hints and self._ledger.used + e.nbytes <= (self._room() if budget is None else budget):
+            elif hints and self._ledger.used + e.nbytes <= self._room():
                 done = self._mover.prefetch(e)
             elif hints:
                 # NOTE: a UVM-style prefetch hint makes room, like a fault, but not yet:
@@ -142,14 +141,14 @@ class Follower:
                     self.depart("skipped move: already where the plan sends it" if not evict or e.state != RESIDENT
                                  else "skipped move: eviction refused (pinned by a collective, or resized)")
         if self.pending and not hints:
-            self.issue_pending(False, budget)
+            self.issue_pending(False)
 
-    def issue_pending(self, hints: bool, budget: float | None = None) -> None:
+    def issue_pending(self, hints: bool) -> None:
         """Start queued prefetches, in order: a planned one when it fits the budget, a
         reactive plan's hint (``hints``) at the first op after the one it follows (making
-        room). ``budget``: the room to wait for, where not the run's (see :meth:`fire`)."""
+        room)."""
         ledger = self._ledger
-        room = self._room() if budget is None else budget
+        room = self._room()
         while self.pending:
             e = self.pending[0]
             if e.ref() is None or e.state != AWAY:

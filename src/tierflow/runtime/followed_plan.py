@@ -34,14 +34,11 @@ class FollowedPlan:
         hardware: the machine model the plan was made and simulated for.
         prediction: the simulator's result for the plan (None where it failed).
         hook: the ``HookFollower`` where the plan is followed at ticks, else None.
-        layout: planned host pool / SSD file offsets, by (tensor, first op of the stay,
-            runtime tier).
         actions: per op, the moves fired after it (``PlanFollowing._move_table``).
         start_away: persistent tensors (by key) the plan starts an iteration without,
             and the runtime tier they are on.
         external_tids: the trace's external tensors.
         held_baseline: bytes the loop held when the plan's iteration was profiled.
-        held_reserve: of those, the bytes the trace does not have (kept free).
         retimer: the plan's ``Retimer`` (runtime/retime.py).
         recomputer: the plan's ``Recomputer`` (runtime/recompute.py).
         n_ops: ops the follower steps through.
@@ -68,12 +65,10 @@ class FollowedPlan:
     hardware: Hardware
     prediction: Any
     hook: Any
-    layout: dict[tuple[int, int, str], int]
     actions: list[tuple]
     start_away: dict[str, str]
     external_tids: frozenset[int]
     held_baseline: int
-    held_reserve: int
     retimer: Any
     recomputer: Any
     n_ops: int

@@ -121,9 +121,6 @@ class Mover:
         # where no op is half done (the iteration's end, the next forward, the block's exit).
         self.failure: SSDError | None = None
 
-    def _eviction_wait(self) -> None:
-        self._tiers.copier.count_wait("eviction in flight")
-
     def grow_host(self, nbytes: int) -> bool:
         """Add a chunk to the host pool for a slot of ``nbytes`` (False where the pool is
         fixed or at its limit); the stats follow the pool's size."""
@@ -385,7 +382,8 @@ class Mover:
 
     def reap(self, wait: bool = False) -> None:
         """Retire what finished: dead storages, completed copies (slots freed), SSD
-        writes (bounce freed; a failed one raises). ``wait``: block on copies in flight."""
+        writes (bounce freed; a failed one kept for :meth:`raise_failure`). ``wait``: block
+        on copies in flight."""
         self._storages.retire_dead()
         if self._collectives.records:
             self._collectives.reap()

@@ -504,7 +504,7 @@ class Profiling:
                 born[int(trace.birth[t.id])] += t.bytes
         if self._chunker is not None:
             self.stats.optimizer_chunks = self._chunker.chunks
-        held_baseline, held_reserve = self._profiled_held
+        held_baseline = self._profiled_held[0]
         # the plan's host steps, if any (runtime/host_step.py); the moves after an op the
         # host runs move to the op before
         next_op, has_moves = self._host_step_tables(trace, plan, actions)
@@ -513,10 +513,10 @@ class Profiling:
                    and not levers_at[i] and not has_moves[i] and not born[i]
                    for i, f in enumerate(fast_funcs)]
         self._take_plan(FollowedPlan(
-            trace=trace, plan=plan, hardware=hw, prediction=prediction, hook=hook, layout=layout,
+            trace=trace, plan=plan, hardware=hw, prediction=prediction, hook=hook,
             actions=actions, start_away=start_away,
             external_tids=frozenset(t.id for t in trace.tensors if t.external),
-            held_baseline=held_baseline, held_reserve=held_reserve, retimer=retimer, recomputer=recomputer,
+            held_baseline=held_baseline, retimer=retimer, recomputer=recomputer,
             n_ops=len(sigs), n_tensors=trace.n_tensors, funcs=funcs, out_sizes=out_sizes, bind_in=bind_in,
             bind_out=bind_out, op_labels=[f"{o.name}#{i}" for i, o in enumerate(trace.ops)], next_op=next_op,
             has_moves=has_moves, key_tid={t.key: t.id for t in trace.tensors if t.persistent and t.key},

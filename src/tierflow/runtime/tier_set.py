@@ -11,8 +11,8 @@ for slots and copies and never reassigns its parts.
 The device's :class:`~tierflow.runtime.backend.Backend` holds the one ``Tiers`` both
 front-ends use while either is attached (an ``offload`` block opens it with
 :meth:`Tiers.open` when it is the first): the compiled front-end's buffers are arena
-slots of the same host pool (:meth:`Tiers.host_slot`, :meth:`Tiers.host_view`,
-:meth:`Tiers.free_host_slot`) and its copies go through the same :attr:`Tiers.copier`.
+slots of the same host pool (:meth:`Tiers.host_slot`, :meth:`Tiers.host_view`; they
+are given back when the pool closes) and its copies go through the same :attr:`Tiers.copier`.
 See docs/runtime.md, "Back-end".
 """
 
@@ -151,10 +151,6 @@ class Tiers:
     def host_view(self, off: int, nbytes: int) -> torch.Tensor:
         """The host pool's bytes ``[off, off + nbytes)`` as a ``uint8`` tensor."""
         return self.host.view(off, nbytes)
-
-    def free_host_slot(self, off: int, nbytes: int) -> None:
-        """Give back a slot :meth:`host_slot` gave (no copy may still read it)."""
-        self.host.arena.release(off, nbytes)
 
     def agree_limits(self, smallest: Any) -> tuple[int, int]:
         """The most the host pool and the SSD file may hold, made the smallest any rank
